@@ -1,0 +1,32 @@
+"""Entry point: ``torchrun [--nproc-per-node N] launch/pretrain_rl.py [flags]``.
+
+Parse the flags into a frozen RunConfig (failing fast on bad input), then run
+the requested stage. One process: ``python launch/pretrain_rl.py`` works too.
+
+    # SFT warm start of the embedded tiny model at TP=2 on CPU
+    torchrun --standalone --nproc-per-node 2 launch/pretrain_rl.py \
+        --stage sft --tensor-model-parallel-size 2 --task basic_arithmetic \
+        --train-iters 20 --output-dir runs/sft
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_logra.cli import ConfigError, parse_run_config
+
+    try:
+        cfg = parse_run_config(argv)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from megatron_logra.training.trainer import run_sft
+
+    run_sft(cfg)
+    return 0
+
+
+if __name__ == "__main__":  # the guard dist_checkpointing's async writer needs
+    sys.exit(main())

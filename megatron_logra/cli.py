@@ -1,0 +1,192 @@
+"""Command line -> ``RunConfig``, with every check that can run before heavy work.
+
+Flag names follow Megatron-LM where it has one. ``parse_run_config(argv,
+world_size)`` is the whole contract: it either returns a frozen config or raises
+``ConfigError`` naming the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from megatron_logra.config import (
+    CheckpointConfig,
+    DataConfig,
+    ModelSource,
+    OptimizerConfig,
+    RunConfig,
+    TrainingConfig,
+)
+from megatron_logra.model.tiny_assets import EMBEDDED_DEFAULT
+from megatron_logra.runtime.parallel import ParallelConfig
+
+
+class ConfigError(ValueError):
+    """A bad command line: the message says what is wrong and how to fix it."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="torchrun [--nproc-per-node N] launch/pretrain_rl.py",
+        description="Megatron-core SFT / RL post-training with dense Adam or LoGRA.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP degree")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP degree")
+    g = p.add_argument_group("model")
+    g.add_argument("--model-dir", default=str(EMBEDDED_DEFAULT),
+                   help="HF model folder (config.json + tokenizer); default: the embedded tiny Llama")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="sentencepiece tokenizer.model overriding the folder's tokenizer")
+    g = p.add_argument_group("training")
+    g.add_argument("--stage", choices=("sft", "rl"), default="sft", help="what to train")
+    g.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch")
+    g.add_argument("--global-batch-size", type=int, default=8, help="sequences per update")
+    g.add_argument("--seq-length", type=int, default=256, help="tokens per sequence (padded)")
+    g.add_argument("--train-iters", type=int, default=10, help="number of updates")
+    g.add_argument("--seed", type=int, default=1234, help="init, data and sampling seed")
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters (fp32 main grads)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="full activation recompute, one layer at a time")
+    g.add_argument("--log-interval", type=int, default=1, help="updates between progress lines")
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--optimizer", choices=("adam", "logra"), default="adam", help="update rule")
+    g.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="final learning rate of the decay")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up updates")
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"),
+                   default="cosine", help="decay after warm-up")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="updates over which to decay (default: --train-iters)")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.95, help="Adam beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay")
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="global grad-norm clip; 0 disables clipping (it never zeroes grads)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard optimizer state and fp32 master weights over data parallel")
+    g = p.add_argument_group("data")
+    g.add_argument("--task", default="basic_arithmetic",
+                   help="reasoning-gym tasks with optional weights: NAME[:WEIGHT],...")
+    g.add_argument("--dataset-size", type=int, default=2000, help="items generated per run")
+    g.add_argument("--data-seed", type=int, default=None, help="task seed (default: --seed)")
+    g = p.add_argument_group("checkpointing and output")
+    g.add_argument("--output-dir", default="runs/latest", help="config.json + metrics.jsonl")
+    g.add_argument("--save", default=None, help="checkpoint directory")
+    g.add_argument("--save-interval", type=int, default=0,
+                   help="updates between checkpoints (0: only at the end)")
+    g.add_argument("--load", default=None,
+                   help="checkpoint directory (or one iter_* folder in it) to resume from")
+    g.add_argument("--finetune", action="store_true",
+                   help="with --load: take the weights only (fresh optimizer, step 0)")
+    return p
+
+
+def parse_tasks(spec: str) -> tuple[tuple[str, float], ...]:
+    import reasoning_gym.factory
+
+    known = set(reasoning_gym.factory.DATASETS)
+    tasks = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, weight = item.partition(":")
+        if name not in known:
+            close = sorted(k for k in known if name[:4] in k)[:5]
+            raise ConfigError(f"--task: unknown reasoning-gym task {name!r}"
+                              + (f" (did you mean {', '.join(close)}?)" if close else "")
+                              + "; see reasoning_gym.factory.DATASETS for the names")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            raise ConfigError(f"--task: weight {weight!r} of {name} is not a number") from None
+        if w <= 0:
+            raise ConfigError(f"--task: weight of {name} must be > 0, got {w}")
+        tasks.append((name, w))
+    if not tasks:
+        raise ConfigError("--task: name at least one reasoning-gym task")
+    return tuple(tasks)
+
+
+def _check_positive(args: argparse.Namespace) -> None:
+    for flag in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters",
+                 "log_interval", "dataset_size"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.save_interval < 0:
+        raise ConfigError("--save-interval must be >= 0")
+    if args.lr < 0 or args.min_lr < 0 or args.min_lr > args.lr:
+        raise ConfigError(f"need 0 <= --min-lr <= --lr, got --lr {args.lr} --min-lr {args.min_lr}")
+    if args.clip_grad < 0:
+        raise ConfigError("--clip-grad must be >= 0 (0 disables clipping)")
+    if not (0 <= args.adam_beta1 < 1 and 0 <= args.adam_beta2 < 1):
+        raise ConfigError("--adam-beta1/--adam-beta2 must lie in [0, 1)")
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"--model-dir {model_dir}: no config.json there; name an HF model folder")
+    if args.tokenizer_model and not Path(args.tokenizer_model).is_file():
+        raise ConfigError(f"--tokenizer-model {args.tokenizer_model}: file not found")
+    if args.load:
+        from megatron_logra.training.checkpointing import resolve_load_dir
+
+        try:
+            resolve_load_dir(args.load)
+        except (FileNotFoundError, ValueError) as exc:
+            raise ConfigError(f"--load: {exc}") from None
+    if args.finetune and not args.load:
+        raise ConfigError("--finetune needs --load")
+
+
+def parse_run_config(argv: list[str] | None = None, world_size: int | None = None) -> RunConfig:
+    """Parse and validate; ``world_size`` defaults to torchrun's WORLD_SIZE (or 1)."""
+    args = build_parser().parse_args(argv)
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    _check_positive(args)
+    parallel = ParallelConfig(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    try:
+        dp = parallel.data_parallel_size(world_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ConfigError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {dp} = {args.micro_batch_size * dp}; "
+            f"choose a global batch that is a multiple of {args.micro_batch_size * dp}")
+    _check_paths(args)
+    from megatron_logra.model.arch import UnsupportedModelError, load_arch
+
+    try:
+        load_arch(args.model_dir).check_parallel(parallel.tensor_model_parallel_size,
+                                                 parallel.pipeline_model_parallel_size)
+    except (UnsupportedModelError, ValueError) as exc:
+        raise ConfigError(f"--model-dir {args.model_dir}: {exc}") from None
+    if args.optimizer == "logra":
+        raise ConfigError("--optimizer logra is not available yet (it lands with the LoGRA "
+                          "optimizer issue); use --optimizer adam")
+    if args.stage == "rl":
+        raise ConfigError("--stage rl is not available yet (it lands with the RL issue); "
+                          "use --stage sft")
+    return RunConfig(
+        model=ModelSource(args.model_dir, args.tokenizer_model),
+        output_dir=args.output_dir,
+        parallel=parallel,
+        optimizer=OptimizerConfig(
+            name=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+            lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
+            lr_decay_iters=args.lr_decay_iters, adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, weight_decay=args.weight_decay,
+            clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer),
+        training=TrainingConfig(
+            stage=args.stage, micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size, seq_length=args.seq_length,
+            train_iters=args.train_iters, seed=args.seed, bf16=args.bf16,
+            recompute_activations=args.recompute_activations, log_interval=args.log_interval),
+        data=DataConfig(tasks=parse_tasks(args.task), dataset_size=args.dataset_size,
+                        data_seed=args.data_seed),
+        checkpoint=CheckpointConfig(save=args.save, save_interval=args.save_interval,
+                                    load=args.load, finetune=args.finetune),
+    )

@@ -1,0 +1,81 @@
+"""Typed, frozen run configuration: built once from the CLI (``megatron_logra.cli``).
+
+Each component receives only its own slice (``OptimizerConfig`` for the
+optimizer, ``DataConfig`` for the data, ...). Nothing below the launcher reads an
+argparse namespace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from megatron_logra.runtime.parallel import ParallelConfig
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    model_dir: str
+    """HF model folder: config.json + tokenizer files (weights optional)."""
+    tokenizer_model: str | None = None
+    """A sentencepiece ``tokenizer.model`` overriding the folder's tokenizer."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = "adam"  # "adam" | "logra" (LoGRA lands in its own issue)
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "cosine"  # constant | linear | cosine
+    lr_decay_iters: int | None = None  # None: --train-iters
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0  # 0 disables clipping (it never zeroes gradients)
+    use_distributed_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    stage: str = "sft"  # "sft" | "rl"
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    seq_length: int = 256
+    train_iters: int = 10
+    seed: int = 1234
+    bf16: bool = False
+    recompute_activations: bool = False
+    log_interval: int = 1
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    tasks: tuple[tuple[str, float], ...] = (("basic_arithmetic", 1.0),)
+    """reasoning-gym task names with mixture weights."""
+    dataset_size: int = 2000
+    """Items generated per task mixture (split into train and held-out eval)."""
+    data_seed: int | None = None
+    """Seed of task generation and sample order; None: --seed."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: str | None = None
+    save_interval: int = 0  # 0: only at the end (when --save is given)
+    load: str | None = None
+    finetune: bool = False  # load weights only: no optimizer/scheduler state, step 0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelSource
+    output_dir: str
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

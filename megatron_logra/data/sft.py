@@ -1,0 +1,102 @@
+"""Supervised samples: prompt + reference answer, loss on the answer tokens only.
+
+The order of samples is a pure function of (seed, update index), so every
+layout sees the same global batch at every step and a resumed run continues
+exactly. Each data-parallel rank takes its contiguous slice of the global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_logra.data.tasks import TaskItem
+from megatron_logra.data.tokenizer import TextTokenizer
+
+
+@dataclass(frozen=True)
+class EncodedSample:
+    tokens: list[int]  # prompt + answer + eos, untruncated
+    num_prompt_tokens: int
+
+
+def encode_sft(tokenizer: TextTokenizer, item: TaskItem) -> EncodedSample:
+    prompt = tokenizer.encode(tokenizer.prompt(item.question))
+    answer = tokenizer.encode(item.answer) + [tokenizer.eos_token_id]
+    return EncodedSample(prompt + answer, len(prompt))
+
+
+def collate(samples: list[EncodedSample], seq_length: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Microbatch tensors, all [b, s] except attention_mask [b, 1, s, s] (True = masked).
+
+    labels[t] = tokens[t + 1]; loss_mask[t] = 1 where labels[t] is an answer token.
+    Sequences longer than seq_length + 1 are truncated (their tail is lost).
+    """
+    b = len(samples)
+    tokens = torch.full((b, seq_length), pad_id, dtype=torch.long)
+    labels = torch.full((b, seq_length), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((b, seq_length), dtype=torch.float32)
+    for i, sample in enumerate(samples):
+        ids = torch.tensor(sample.tokens[: seq_length + 1], dtype=torch.long)
+        n = ids.numel() - 1
+        tokens[i, :n] = ids[:n]
+        labels[i, :n] = ids[1:]
+        start = max(sample.num_prompt_tokens - 1, 0)
+        loss_mask[i, start:n] = 1.0
+    causal = torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool), diagonal=1)
+    return {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "position_ids": torch.arange(seq_length).unsqueeze(0).expand(b, -1).contiguous(),
+        "attention_mask": causal.expand(b, 1, seq_length, seq_length).contiguous(),
+    }
+
+
+class SFTBatches:
+    """The global batch of every update, and this DP rank's microbatches of it."""
+
+    def __init__(self, samples: list[EncodedSample], *, global_batch_size: int,
+                 micro_batch_size: int, seq_length: int, pad_id: int, seed: int):
+        if not samples:
+            raise ValueError("no training samples")
+        self.samples = samples
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.seq_length = seq_length
+        self.pad_id = pad_id
+        self.seed = seed
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        gen = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+        return torch.randperm(len(self.samples), generator=gen).tolist()
+
+    def global_indices(self, step: int) -> list[int]:
+        """Sample indices of update ``step`` (0-based), walking epochs of permutations."""
+        n = len(self.samples)
+        start = step * self.global_batch_size
+        out = []
+        while len(out) < self.global_batch_size:
+            pos = start + len(out)
+            epoch, offset = divmod(pos, n)
+            order = self._epoch_order(epoch)
+            take = min(self.global_batch_size - len(out), n - offset)
+            out.extend(order[offset: offset + take])
+        return out
+
+    def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict[str, torch.Tensor]]:
+        indices = self.global_indices(step)
+        per_rank = self.global_batch_size // dp_size
+        mine = indices[dp_rank * per_rank: (dp_rank + 1) * per_rank]
+        return [collate([self.samples[i] for i in mine[j: j + self.micro_batch_size]],
+                        self.seq_length, self.pad_id)
+                for j in range(0, per_rank, self.micro_batch_size)]
+
+    def tokens_in_step(self, step: int) -> int:
+        """Loss tokens of the global batch (for metrics)."""
+        total = 0
+        for i in self.global_indices(step):
+            s = self.samples[i]
+            total += max(min(len(s.tokens) - 1, self.seq_length) - max(s.num_prompt_tokens - 1, 0), 0)
+        return total

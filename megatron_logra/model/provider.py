@@ -1,0 +1,228 @@
+"""Build a megatron-core GPTModel for a ``ModelArch`` on the current parallel layout.
+
+Local layer spec on CPU (and on CUDA without Transformer Engine); the Transformer
+Engine spec on CUDA when ``transformer_engine`` imports. Random init is
+layout-independent: every parameter's full (TP=1) value is drawn from a generator
+seeded by (seed, canonical name), then sliced to this rank's shard, so the same
+seed gives the same full weights at any TP/PP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+from megatron_logra.model.arch import ModelArch
+from megatron_logra.model.sharding import canonical_name, shard_of_full, tp_split
+from megatron_logra.runtime.device import current_device
+
+
+@dataclass(frozen=True)
+class ModelBuildConfig:
+    """How to instantiate the network (not what it is: that is ModelArch)."""
+
+    bf16: bool = False  # bf16 params (else fp32)
+    recompute_activations: bool = False  # full activation recompute, one layer per chunk
+    use_transformer_engine: bool | None = None  # None: TE spec when on CUDA and TE imports
+
+
+def transformer_engine_available() -> bool:
+    if not torch.cuda.is_available():
+        return False  # never import TE on CPU
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def transformer_config(arch: ModelArch, build: ModelBuildConfig) -> TransformerConfig:
+    dtype = torch.bfloat16 if build.bf16 else torch.float32
+    recompute = ({"recompute_granularity": "full", "recompute_method": "uniform",
+                  "recompute_num_layers": 1} if build.recompute_activations else {})
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.init_std,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=build.bf16,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # init_weights() below does it, layout-independently
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        batch_p2p_sync=False,
+        attention_softmax_in_fp32=True,
+        calculate_per_token_loss=True,
+        deterministic_mode=False,
+        **recompute,
+    )
+
+
+def layer_spec(arch: ModelArch, build: ModelBuildConfig):
+    use_te = build.use_transformer_engine
+    if use_te is None:
+        use_te = transformer_engine_available()
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    return get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+
+
+def build_gpt_model(arch: ModelArch, build: ModelBuildConfig, seed: int) -> GPTModel:
+    """This rank's stage of the model, on the runtime device, random-initialised from ``seed``."""
+    config = transformer_config(arch, build)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(arch, build),
+        vocab_size=arch.padded_vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+        rope_scaling=arch.rope_scaling_factor is not None,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+    )
+    _mark_tensor_parallel_params(model)
+    model.to(current_device())
+    init_weights(model, arch, seed)
+    return model
+
+
+def _mark_tensor_parallel_params(model: GPTModel) -> None:
+    """Set the TP attributes megatron-core 0.16.1 sets only inside
+    ``_initialize_affine_weight_*`` (skipped with perform_initialization=False, which we
+    use because init_weights() initialises layout-independently). Without them DDP, the
+    grad norm and the optimizer would treat every shard as a TP duplicate."""
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    gated = model.config.gated_linear_unit
+    for name, module in model.named_modules():
+        if isinstance(module, VocabParallelEmbedding):
+            split = (0, 1)
+        elif isinstance(module, ColumnParallelLinear):
+            # megatron's MLP builds fc1 with stride 2 for GLUs ([gate_r; up_r] per rank)
+            split = (0, 2 if gated and name.endswith("linear_fc1") else 1)
+        elif isinstance(module, RowParallelLinear):
+            split = (1, 1)
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not getattr(weight, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(weight, True, *split)
+
+
+def layer_offset(model: GPTModel) -> int:
+    """Global index of this stage's first layer."""
+    layers = getattr(model.decoder, "layers", None) if hasattr(model, "decoder") else None
+    if not layers:
+        return 0
+    return layers[0].layer_number - 1
+
+
+def canonical_param_names(model: torch.nn.Module, arch: ModelArch) -> dict[str, str]:
+    """{local parameter name: layout-independent name} for this rank's stage.
+
+    A tied output layer on the last pipeline stage is the embedding's copy and
+    gets the embedding's name.
+    """
+    inner = unwrap(model)
+    offset = layer_offset(inner)
+    names = {}
+    for name, _ in inner.named_parameters():
+        canon = canonical_name(name, offset)
+        if arch.tie_word_embeddings and canon == "output_layer.weight":
+            canon = "embedding.word_embeddings.weight"
+        names[name] = canon
+    return names
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module") and not isinstance(model, GPTModel):
+        model = model.module
+    return model
+
+
+def global_shape(param: torch.Tensor) -> tuple[int, ...]:
+    split = tp_split(param)
+    shape = list(param.shape)
+    if split is not None:
+        shape[split[0]] *= parallel_state.get_tensor_model_parallel_world_size()
+    return tuple(shape)
+
+
+def _seed_for(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def initial_full_value(name: str, shape: tuple[int, ...], arch: ModelArch, seed: int) -> torch.Tensor:
+    """The TP=1 initial value of parameter ``name`` (fp32, CPU).
+
+    Norm weights 1, biases 0, linear/embedding weights N(0, std^2) with megatron's
+    scaled init (std / sqrt(2L)) for the residual-output projections; padded vocab
+    rows are zero, as after an HF conversion.
+    """
+    if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    std = arch.init_std
+    if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
+        std = arch.init_std / math.sqrt(2.0 * arch.num_layers)
+    gen = torch.Generator().manual_seed(_seed_for(seed, name))
+    value = torch.randn(shape, generator=gen) * std
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        value[arch.vocab_size:] = 0.0
+    return value
+
+
+@torch.no_grad()
+def init_weights(model: torch.nn.Module, arch: ModelArch, seed: int) -> None:
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    names = canonical_param_names(model, arch)
+    for local_name, param in unwrap(model).named_parameters():
+        full = initial_full_value(names[local_name], global_shape(param), arch, seed)
+        split = tp_split(param)
+        if split is not None:
+            full = shard_of_full(full, split[0], split[1], tp_rank, tp_size)
+        param.copy_(full.to(param.dtype))

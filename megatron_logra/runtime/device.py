@@ -1,0 +1,104 @@
+"""The one place that decides device and collective backend.
+
+CUDA with NCCL when a GPU is visible, else CPU with gloo. Everything else asks
+``current_device()``; nothing in the package hard-codes a device. On CPU the
+megatron-core shims (``megatron_shims.apply_cpu_shims``) are applied here, once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process computes and how it talks to the others."""
+
+    device: torch.device
+    backend: str  # "nccl" or "gloo"
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+_RUNTIME: Runtime | None = None
+
+
+def select_device(force: str | None = None) -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is available (or forced), else cpu."""
+    choice = force or os.environ.get("MEGATRON_LOGRA_DEVICE")
+    if choice not in (None, "", "auto", "cpu", "cuda"):
+        raise ValueError(f"MEGATRON_LOGRA_DEVICE={choice!r}: use 'cpu', 'cuda' or 'auto'")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was requested but torch sees no CUDA device; "
+                           "drop the request to run on CPU with gloo")
+    if choice == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def init_runtime(timeout_minutes: float = 10.0) -> Runtime:
+    """Initialise torch.distributed from torchrun's environment (or a single process).
+
+    Idempotent: later calls return the first Runtime. A process started without
+    torchrun becomes a one-process group, so the same code path runs everywhere.
+    """
+    global _RUNTIME
+    if _RUNTIME is not None:
+        return _RUNTIME
+    device = select_device()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        from megatron_logra.runtime.megatron_shims import apply_cpu_shims
+
+        apply_cpu_shims()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        dist.init_process_group(backend=backend,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    _RUNTIME = Runtime(device=device, backend=backend, rank=dist.get_rank(),
+                       world_size=dist.get_world_size(),
+                       local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    return _RUNTIME
+
+
+def current_device() -> torch.device:
+    """The device of this process (initialises nothing; cpu before init_runtime)."""
+    return _RUNTIME.device if _RUNTIME is not None else select_device()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def peak_memory_bytes() -> int:
+    """CUDA max allocated on GPU; the process's peak RSS on CPU."""
+    if current_device().type == "cuda":
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def synchronize() -> None:
+    if current_device().type == "cuda":
+        torch.cuda.synchronize()

@@ -1,0 +1,57 @@
+"""Tensor/pipeline/data-parallel layout: validated dims and megatron-core bring-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core import parallel_state
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Megatron-style layout. Data parallel is what is left: world / (TP * PP)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+
+    def data_parallel_size(self, world_size: int) -> int:
+        self.validate(world_size)
+        return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+    def validate(self, world_size: int) -> None:
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        if tp < 1 or pp < 1:
+            raise ValueError(f"--tensor-model-parallel-size {tp} and --pipeline-model-parallel-size "
+                             f"{pp} must both be >= 1")
+        if world_size % (tp * pp):
+            raise ValueError(
+                f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}; "
+                f"launch a multiple of {tp * pp} processes (torchrun --nproc-per-node) or change "
+                f"--tensor-model-parallel-size / --pipeline-model-parallel-size")
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tensor_model_parallel_size > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pipeline_model_parallel_size > 1
+
+
+def initialize(cfg: ParallelConfig, world_size: int, seed: int) -> None:
+    """(Re)build megatron-core's process groups for ``cfg`` and seed its RNG tracker."""
+    cfg.validate(world_size)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+    )
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def teardown() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()

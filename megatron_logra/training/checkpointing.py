@@ -1,0 +1,153 @@
+"""Resharding checkpoints with megatron-core dist_checkpointing (torch_dist), written atomically.
+
+Layout::
+
+    SAVE/latest                 text: name of the newest complete checkpoint
+    SAVE/iter_0000010/          dist_checkpointing files + megatron_logra.json
+    SAVE/iter_0000020.partial/  a save in progress (or one that crashed: ignored)
+
+A checkpoint is written into ``*.partial``, renamed when every rank has
+finished, and only then does ``latest`` (replaced atomically) point to it, so a
+crash mid-save leaves the previous checkpoint intact and selected. Model and
+optimizer state are sharded tensors with global shapes, so a checkpoint saved at
+one TP/PP/DP loads at another (optimizer in the ``fully_reshardable`` format).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from megatron_logra.model.provider import unwrap
+
+LATEST = "latest"
+META = "megatron_logra.json"
+FORMAT_VERSION = 1
+_OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def iter_dir_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def resolve_load_dir(path: str | os.PathLike) -> Path:
+    """A checkpoint folder from either SAVE (follows ``latest``) or one ``iter_*`` folder."""
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"{root} does not exist")
+    if (root / META).is_file():
+        return root
+    latest = root / LATEST
+    if latest.is_file():
+        target = root / latest.read_text().strip()
+        if not (target / META).is_file():
+            raise ValueError(f"{latest} points to {target.name}, which is not a complete checkpoint")
+        return target
+    if (root / "config.json").is_file():
+        raise ValueError(f"{root} is an HF model folder, not a Megatron checkpoint: convert it with "
+                         f"'python -m checkpoints_tools.hf_to_megatron --hf-dir {root} --out CKPT'")
+    raise ValueError(f"{root} holds no checkpoint (no {LATEST} file and no {META})")
+
+
+def read_meta(ckpt_dir: str | os.PathLike) -> dict:
+    return json.loads((Path(ckpt_dir) / META).read_text())
+
+
+def _inner_torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [opt.optimizer for opt in chained if getattr(opt, "optimizer", None) is not None]
+
+
+def _model_sharded_state_dict(model) -> dict:
+    return unwrap(model[0]).sharded_state_dict()
+
+
+def _sharded_state_dict(objs, is_loading: bool, with_optimizer: bool) -> dict:
+    model_sd = _model_sharded_state_dict(objs.model)
+    state = {"model": model_sd}
+    if with_optimizer:
+        state["optimizer"] = objs.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                               metadata=_OPT_METADATA)
+    return state
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(save_dir: str | os.PathLike, step: int, objs, extra_state: dict,
+                    meta: dict) -> Path:
+    """Save model + optimizer + ``extra_state`` (picklable, rank-0 common state) atomically."""
+    root = Path(save_dir)
+    final = root / iter_dir_name(step)
+    partial_dir = root / (iter_dir_name(step) + ".partial")
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        root.mkdir(parents=True, exist_ok=True)
+        if partial_dir.exists():
+            shutil.rmtree(partial_dir)
+        partial_dir.mkdir()
+    _barrier()
+    state = _sharded_state_dict(objs, is_loading=False, with_optimizer=True)
+    state["extra"] = extra_state
+    dist_checkpointing.save(state, str(partial_dir), content_metadata=None)
+    _barrier()
+    if rank0:
+        full_meta = {"format_version": FORMAT_VERSION, "step": step, **meta}
+        (partial_dir / META).write_text(json.dumps(full_meta, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial_dir, final)
+        _write_text_atomic(root / LATEST, final.name + "\n")
+    _barrier()
+    return final
+
+
+def load_checkpoint(load: str | os.PathLike, objs, *, weights_only: bool) -> tuple[dict, dict]:
+    """Load into ``objs`` in place; returns (extra_state, meta). weights_only skips optimizer."""
+    ckpt = resolve_load_dir(load)
+    meta = read_meta(ckpt)
+    saved_arch = meta.get("arch")
+    if saved_arch is not None and saved_arch != objs.arch.to_dict():
+        diff = {k: (saved_arch.get(k), v) for k, v in objs.arch.to_dict().items()
+                if saved_arch.get(k) != v}
+        raise ValueError(f"checkpoint {ckpt} was saved for another model: (saved, now) = {diff}; "
+                         f"pass the --model-dir it was trained with")
+    state = _sharded_state_dict(objs, is_loading=True, with_optimizer=not weights_only)
+    if not weights_only:
+        state["extra"] = None
+    loaded = dist_checkpointing.load(state, str(ckpt))
+    unwrap(objs.model[0]).load_state_dict(loaded["model"], strict=True)
+    if not weights_only:
+        objs.optimizer.load_state_dict(loaded["optimizer"])
+        for torch_opt in _inner_torch_optimizers(objs.optimizer):
+            # After load every param shares ONE step tensor; foreach AdamW would then
+            # bump it once per param (megatron-core 0.16.1). Give each its own.
+            for param_state in torch_opt.state.values():
+                if isinstance(param_state.get("step"), torch.Tensor):
+                    param_state["step"] = param_state["step"].clone()
+    # Model params changed underneath the optimizer's fp32 main copies: refresh them.
+    if weights_only:
+        _reload_main_params(objs.optimizer)
+    return (loaded.get("extra") or {}), meta
+
+
+def _reload_main_params(optimizer) -> None:
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    for opt in chained:
+        reload = getattr(opt, "reload_model_params", None)
+        if reload is not None:
+            reload()

@@ -1,0 +1,42 @@
+"""metrics.jsonl (one JSON object per update) and the human progress line, rank 0 only."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+class MetricsLog:
+    def __init__(self, output_dir: str | Path, enabled: bool, resume: bool = False):
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.jsonl"
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not resume and self.path.exists():
+                self.path.unlink()
+        self.start = time.time()
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def progress(self, record: dict, total_steps: int) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.time() - self.start
+        parts = [f"step {record['step']}/{total_steps}"]
+        for key, fmt in (("loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"),
+                         ("tokens", "{:d}"), ("step_time_s", "{:.2f}s")):
+            if record.get(key) is not None:
+                parts.append(f"{key} " + fmt.format(record[key]))
+        parts.append(f"mem {record['peak_mem_bytes'] / 2**20:.0f}MiB")
+        parts.append(f"elapsed {elapsed:.0f}s")
+        print(" | ".join(parts), file=sys.stdout, flush=True)
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

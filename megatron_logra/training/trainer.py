@@ -1,0 +1,113 @@
+"""The supervised (``--stage sft``) training run: build -> (load) -> train -> save.
+
+``run_sft(cfg)`` is what ``launch/pretrain_rl.py --stage sft`` executes; tests
+call it in-process to run several layouts in one torchrun launch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_logra.config import RunConfig
+from megatron_logra.data.sft import SFTBatches, encode_sft
+from megatron_logra.data.tasks import generate_items
+from megatron_logra.data.tokenizer import load_tokenizer
+from megatron_logra.model.arch import load_arch
+from megatron_logra.model.provider import ModelBuildConfig
+from megatron_logra.runtime import parallel
+from megatron_logra.runtime.device import init_runtime, peak_memory_bytes, synchronize
+from megatron_logra.training import checkpointing
+from megatron_logra.training.metrics import MetricsLog
+from megatron_logra.training.setup import TrainingObjects, build_training_objects
+from megatron_logra.training.step import train_step
+
+
+@dataclass
+class RunResult:
+    records: list[dict] = field(default_factory=list)
+    objects: TrainingObjects | None = None
+    last_checkpoint: Path | None = None
+
+
+def build_sft_batches(cfg: RunConfig, tokenizer) -> SFTBatches:
+    data_seed = cfg.data.data_seed if cfg.data.data_seed is not None else cfg.training.seed
+    items = generate_items(cfg.data.tasks, cfg.data.dataset_size, data_seed)
+    samples = [encode_sft(tokenizer, item) for item in items]
+    return SFTBatches(samples, global_batch_size=cfg.training.global_batch_size,
+                      micro_batch_size=cfg.training.micro_batch_size,
+                      seq_length=cfg.training.seq_length, pad_id=tokenizer.pad_token_id,
+                      seed=data_seed)
+
+
+def _checkpoint_meta(cfg: RunConfig, arch) -> dict:
+    return {"arch": arch.to_dict(), "config": cfg.to_dict()}
+
+
+def run_sft(cfg: RunConfig) -> RunResult:
+    rt = init_runtime()
+    parallel.initialize(cfg.parallel, rt.world_size, cfg.training.seed)
+    is_logger = rt.rank == 0
+    arch = load_arch(cfg.model.model_dir)
+    arch.check_parallel(cfg.parallel.tensor_model_parallel_size,
+                        cfg.parallel.pipeline_model_parallel_size)
+    tokenizer = load_tokenizer(cfg.model.model_dir, cfg.model.tokenizer_model)
+    build = ModelBuildConfig(bf16=cfg.training.bf16,
+                             recompute_activations=cfg.training.recompute_activations)
+    objs = build_training_objects(arch, build, cfg.optimizer, seed=cfg.training.seed,
+                                  train_iters=cfg.training.train_iters)
+    start_step = 0
+    ck = cfg.checkpoint
+    if ck.load:
+        extra, meta = checkpointing.load_checkpoint(ck.load, objs, weights_only=ck.finetune)
+        if not ck.finetune:
+            start_step = int(meta["step"])
+            objs.scheduler.load_state_dict(extra["scheduler"])
+        if is_logger:
+            print(f"loaded {checkpointing.resolve_load_dir(ck.load)} "
+                  f"({'weights only' if ck.finetune else f'resuming at step {start_step}'})",
+                  flush=True)
+    batches = build_sft_batches(cfg, tokenizer)
+    out_dir = Path(cfg.output_dir)
+    if is_logger:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(
+            {"run": cfg.to_dict(), "arch": arch.to_dict(), "world_size": rt.world_size,
+             "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+             "device": str(rt.device), "backend": rt.backend}, indent=1))
+    log = MetricsLog(out_dir, enabled=is_logger, resume=start_step > 0)
+    result = RunResult(objects=objs)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    t = cfg.training
+    for step in range(start_step, t.train_iters):
+        t0 = time.perf_counter()
+        lr = objs.optimizer.param_groups[0]["lr"]
+        out = train_step(objs, batches.microbatches(step, dp_rank, dp_size),
+                         seq_length=t.seq_length, micro_batch_size=t.micro_batch_size)
+        synchronize()
+        record = {"step": step + 1, "loss": out.loss, "lr": lr, "grad_norm": out.grad_norm,
+                  "tokens": out.tokens, "step_time_s": time.perf_counter() - t0,
+                  "peak_mem_bytes": peak_memory_bytes(),
+                  "update_successful": out.update_successful}
+        result.records.append(record)
+        log.write(record)
+        if (step + 1) % t.log_interval == 0 or step + 1 == t.train_iters:
+            log.progress(record, t.train_iters)
+        last = step + 1 == t.train_iters
+        if ck.save and ((ck.save_interval and (step + 1) % ck.save_interval == 0) or last):
+            result.last_checkpoint = checkpointing.save_checkpoint(
+                ck.save, step + 1, objs, {"scheduler": objs.scheduler.state_dict()},
+                _checkpoint_meta(cfg, arch))
+            if is_logger:
+                print(f"saved checkpoint {result.last_checkpoint}", flush=True)
+    if is_logger:
+        print(f"metrics: {log.path.resolve()}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return result

@@ -1,0 +1,49 @@
+"""torchrun worker for the parallel-invariance tests: runs several layouts in one launch.
+
+    torchrun --standalone --nproc-per-node W tests/distributed/invariance_worker.py PLAN.json
+
+PLAN.json: {"out": DIR, "runs": [{"name": ..., "argv": [...]} ...]}. Each run is a
+normal launcher command line executed in-process (megatron's process groups are
+rebuilt per run); rank 0 writes DIR/NAME.pt = {"losses", "grad_norms", "weights"}
+with the weights gathered to full TP=1 tensors by canonical name.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+
+def main() -> None:
+    plan = json.loads(Path(sys.argv[1]).read_text())
+    from megatron_logra.cli import parse_run_config
+    from megatron_logra.model.gather import gather_full_state_dict
+    from megatron_logra.runtime.device import init_runtime
+    from megatron_logra.training.trainer import run_sft
+
+    rt = init_runtime()
+    out = Path(plan["out"])
+    for run in plan["runs"]:
+        cfg = parse_run_config(run["argv"], world_size=rt.world_size)
+        result = run_sft(cfg)
+        weights = gather_full_state_dict(result.objects.model[0], result.objects.arch)
+        if rt.rank == 0:
+            torch.save({"losses": [r["loss"] for r in result.records],
+                        "grad_norms": [r["grad_norm"] for r in result.records],
+                        "steps": [r["step"] for r in result.records],
+                        "weights": weights}, out / f"{run['name']}.pt")
+            print(f"[worker] {run['name']}: losses {[round(r['loss'], 6) for r in result.records]}",
+                  flush=True)
+        del result
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
