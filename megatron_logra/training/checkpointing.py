@@ -116,16 +116,33 @@ def save_checkpoint(save_dir: str | os.PathLike, step: int, objs, extra_state: d
     return final
 
 
-def load_checkpoint(load: str | os.PathLike, objs, *, weights_only: bool) -> tuple[dict, dict]:
-    """Load into ``objs`` in place; returns (extra_state, meta). weights_only skips optimizer."""
+def optimizer_sharding(use_distributed_optimizer: bool) -> str:
+    return "distributed" if use_distributed_optimizer else "replicated"
+
+
+def load_checkpoint(load: str | os.PathLike, objs, *, weights_only: bool,
+                    sharding: str) -> tuple[dict, dict]:
+    """Load into ``objs`` in place; returns (extra_state, meta).
+
+    weights_only skips the optimizer; ``sharding`` (see ``optimizer_sharding``) must
+    match the checkpoint's when the optimizer state is loaded.
+    """
     ckpt = resolve_load_dir(load)
     meta = read_meta(ckpt)
+    saved_sharding = meta.get("optimizer_sharding")
+    if not weights_only and saved_sharding not in (None, sharding):
+        flag = "with" if saved_sharding == "distributed" else "without"
+        raise ValueError(f"checkpoint {ckpt} holds {saved_sharding} optimizer state; resume "
+                         f"{flag} --use-distributed-optimizer, or pass --finetune to load only "
+                         f"the weights")
     saved_arch = meta.get("arch")
     if saved_arch is not None and saved_arch != objs.arch.to_dict():
         diff = {k: (saved_arch.get(k), v) for k, v in objs.arch.to_dict().items()
                 if saved_arch.get(k) != v}
         raise ValueError(f"checkpoint {ckpt} was saved for another model: (saved, now) = {diff}; "
                          f"pass the --model-dir it was trained with")
+    if not weights_only:
+        _materialize_optimizer_state(objs.optimizer)
     state = _sharded_state_dict(objs, is_loading=True, with_optimizer=not weights_only)
     if not weights_only:
         state["extra"] = None
@@ -143,6 +160,25 @@ def load_checkpoint(load: str | os.PathLike, objs, *, weights_only: bool) -> tup
     if weights_only:
         _reload_main_params(objs.optimizer)
     return (loaded.get("extra") or {}), meta
+
+
+def _materialize_optimizer_state(optimizer) -> None:
+    """Give every param Adam state with one common ``step`` before loading into it.
+
+    megatron-core 0.16.1's DistributedOptimizer.state_dict() asserts a single distinct
+    step, which a never-stepped torch Adam lacks; the values are overwritten by the load.
+    """
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    for opt in chained:
+        torch_opt = getattr(opt, "optimizer", None)
+        if torch_opt is None:
+            continue
+        for group in torch_opt.param_groups:
+            for param in group["params"]:
+                state = torch_opt.state[param]
+                state.setdefault("exp_avg", torch.zeros_like(param))
+                state.setdefault("exp_avg_sq", torch.zeros_like(param))
+                state.setdefault("step", torch.tensor(0.0))
 
 
 def _reload_main_params(optimizer) -> None:

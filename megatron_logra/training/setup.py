@@ -14,6 +14,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_logra.config import OptimizerConfig
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.provider import ModelBuildConfig, build_gpt_model
+from megatron_logra.patches import apply_all as apply_megatron_patches
 
 
 @dataclass
@@ -60,6 +61,7 @@ def build_scheduler(optimizer, cfg: OptimizerConfig, train_iters: int) -> Optimi
 
 def build_training_objects(arch: ModelArch, build: ModelBuildConfig, opt: OptimizerConfig,
                            *, seed: int, train_iters: int) -> TrainingObjects:
+    apply_megatron_patches()
     gpt = build_gpt_model(arch, build, seed)
     ddp = wrap_ddp(gpt, opt.use_distributed_optimizer)
     optimizer = build_optimizer([ddp], opt, build.bf16)

@@ -46,7 +46,9 @@ def build_sft_batches(cfg: RunConfig, tokenizer) -> SFTBatches:
 
 
 def _checkpoint_meta(cfg: RunConfig, arch) -> dict:
-    return {"arch": arch.to_dict(), "config": cfg.to_dict()}
+    return {"arch": arch.to_dict(), "config": cfg.to_dict(),
+            "optimizer_sharding": checkpointing.optimizer_sharding(
+                cfg.optimizer.use_distributed_optimizer)}
 
 
 def run_sft(cfg: RunConfig) -> RunResult:
@@ -64,7 +66,9 @@ def run_sft(cfg: RunConfig) -> RunResult:
     start_step = 0
     ck = cfg.checkpoint
     if ck.load:
-        extra, meta = checkpointing.load_checkpoint(ck.load, objs, weights_only=ck.finetune)
+        extra, meta = checkpointing.load_checkpoint(
+            ck.load, objs, weights_only=ck.finetune,
+            sharding=checkpointing.optimizer_sharding(cfg.optimizer.use_distributed_optimizer))
         if not ck.finetune:
             start_step = int(meta["step"])
             objs.scheduler.load_state_dict(extra["scheduler"])

@@ -1,0 +1,9 @@
+"""Every patch of megatron-core internals (besides the CPU-only shims in
+``runtime/megatron_shims.py``). Each module says which function it replaces, why,
+why results stay identical, and which megatron-core versions it supports."""
+
+from megatron_logra.patches.dist_optimizer_step_state import apply as _apply_step_state
+
+
+def apply_all() -> None:
+    _apply_step_state()

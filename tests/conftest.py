@@ -1,0 +1,4 @@
+import warnings
+
+warnings.filterwarnings("ignore", module="megatron")
+warnings.filterwarnings("ignore", message=".*Apex.*")

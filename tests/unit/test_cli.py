@@ -1,0 +1,94 @@
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_logra.cli import ConfigError, build_parser, parse_run_config
+from megatron_logra.model.tiny_assets import write_tiny_model_dir
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The CLI grows only on purpose: adding or renaming a flag must update this set.
+EXPECTED_FLAGS = {
+    "--adam-beta1", "--adam-beta2", "--adam-eps", "--bf16", "--clip-grad", "--data-seed",
+    "--dataset-size", "--finetune", "--global-batch-size", "--load", "--log-interval", "--lr",
+    "--lr-decay-iters", "--lr-decay-style", "--lr-warmup-iters", "--micro-batch-size",
+    "--min-lr", "--model-dir", "--optimizer", "--output-dir", "--pipeline-model-parallel-size",
+    "--recompute-activations", "--save", "--save-interval", "--seed", "--seq-length", "--stage",
+    "--task", "--tensor-model-parallel-size", "--tokenizer-model", "--train-iters",
+    "--use-distributed-optimizer", "--weight-decay", "-h", "--help",
+}
+
+
+def test_flag_set_is_frozen():
+    flags = {opt for action in build_parser()._actions for opt in action.option_strings}
+    assert flags == EXPECTED_FLAGS
+
+
+def test_every_flag_has_help():
+    for action in build_parser()._actions:
+        assert action.help, action.option_strings
+
+
+def test_valid_command_line_gives_frozen_config():
+    cfg = parse_run_config(["--tensor-model-parallel-size", "2", "--global-batch-size", "8",
+                            "--micro-batch-size", "2", "--task", "basic_arithmetic:2,chain_sum",
+                            "--use-distributed-optimizer"], world_size=4)
+    assert cfg.parallel.data_parallel_size(4) == 2
+    assert cfg.data.tasks == (("basic_arithmetic", 2.0), ("chain_sum", 1.0))
+    assert cfg.optimizer.use_distributed_optimizer
+    with pytest.raises(Exception):
+        cfg.training.seed = 3  # frozen
+
+
+@pytest.mark.parametrize("argv,world,match", [
+    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 2,
+     r"world size 2 is not divisible by TP x PP = 2 x 2"),
+    (["--tensor-model-parallel-size", "8"], 8, "num_attention_heads=4 is not divisible"),
+    (["--pipeline-model-parallel-size", "3"], 3, "num_hidden_layers=4 is not divisible"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], 1, "not divisible by --micro-batch"),
+    (["--global-batch-size", "4", "--micro-batch-size", "1"], 8, "data-parallel size 8"),
+    (["--task", "basic_arithmetik"], 1, "unknown reasoning-gym task 'basic_arithmetik'"),
+    (["--task", "chain_sum:-1"], 1, "must be > 0"),
+    (["--model-dir", "/nonexistent/model"], 1, "no config.json"),
+    (["--tokenizer-model", "/nonexistent/sp.model"], 1, "file not found"),
+    (["--load", "/nonexistent/ckpt"], 1, "does not exist"),
+    (["--finetune"], 1, "--finetune needs --load"),
+    (["--train-iters", "0"], 1, "--train-iters must be >= 1"),
+    (["--min-lr", "1", "--lr", "0.1"], 1, "--min-lr"),
+])
+def test_bad_command_lines_name_problem_and_fix(argv, world, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_run_config(argv, world_size=world)
+
+
+def test_unsupported_model_is_refused_before_training(tmp_path):
+    import json
+
+    folder = write_tiny_model_dir(tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["num_local_experts"] = 4
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        parse_run_config(["--model-dir", str(folder)], world_size=1)
+
+
+def test_load_of_hf_folder_points_to_the_converter(tmp_path):
+    folder = write_tiny_model_dir(tmp_path / "hf")
+    with pytest.raises(ConfigError, match="checkpoints_tools.hf_to_megatron"):
+        parse_run_config(["--load", str(folder)], world_size=1)
+
+
+def test_launcher_fails_fast_with_exit_code_2(tmp_path):
+    start = time.time()
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "pretrain_rl.py"),
+                           "--tensor-model-parallel-size", "2"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={"WORLD_SIZE": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2, proc.stderr
+    assert "world size 1 is not divisible by TP x PP = 2 x 1" in proc.stderr
+    assert "--nproc-per-node" in proc.stderr  # the fix
+    assert time.time() - start < 60
+    assert not (tmp_path / "runs").exists()  # nothing written

@@ -1,0 +1,84 @@
+import pytest
+import torch
+
+from megatron_logra.data.sft import EncodedSample, SFTBatches, collate, encode_sft
+from megatron_logra.data.tasks import TaskItem, generate_items, mixture_counts
+from megatron_logra.data.tokenizer import SentencePieceTokenizer, load_tokenizer
+from megatron_logra.model.tiny_assets import EMBEDDED_DEFAULT
+
+
+def test_collate_masks_only_answer_tokens():
+    sample = EncodedSample(tokens=[10, 11, 12, 20, 21, 2], num_prompt_tokens=3)
+    mb = collate([sample], seq_length=8, pad_id=0)
+    assert mb["tokens"][0].tolist() == [10, 11, 12, 20, 21, 0, 0, 0]
+    assert mb["labels"][0, :5].tolist() == [11, 12, 20, 21, 2]
+    # positions whose label is an answer token (20, 21, eos)
+    assert mb["loss_mask"][0].tolist() == [0, 0, 1, 1, 1, 0, 0, 0]
+    assert mb["attention_mask"].shape == (1, 1, 8, 8)
+    assert mb["attention_mask"][0, 0, 0, 1] and not mb["attention_mask"][0, 0, 1, 0]
+
+
+def test_collate_truncates_long_samples():
+    sample = EncodedSample(tokens=list(range(1, 20)), num_prompt_tokens=2)
+    mb = collate([sample], seq_length=8, pad_id=0)
+    assert mb["tokens"][0].tolist() == list(range(1, 9))
+    assert mb["labels"][0].tolist() == list(range(2, 10))
+    assert mb["loss_mask"][0].sum() == 7
+
+
+def test_encode_uses_chat_template_and_eos():
+    tok = load_tokenizer(EMBEDDED_DEFAULT)
+    enc = encode_sft(tok, TaskItem("t", "1+1?", "2", 0))
+    assert tok.decode(enc.tokens[: enc.num_prompt_tokens]).endswith("assistant\n")
+    assert enc.tokens[enc.num_prompt_tokens:] == tok.encode("2") + [tok.eos_token_id]
+
+
+def _batches(n=10, gbs=4):
+    samples = [EncodedSample([i + 1, i + 2, i + 3], 1) for i in range(n)]
+    return SFTBatches(samples, global_batch_size=gbs, micro_batch_size=1, seq_length=4,
+                      pad_id=0, seed=3)
+
+
+def test_sample_order_is_a_function_of_step():
+    a, b = _batches(), _batches()
+    assert [a.global_indices(s) for s in range(6)] == [b.global_indices(s) for s in range(6)]
+    # one epoch covers each sample once (10 samples, batches of 4 cross the epoch boundary)
+    first_epoch = sum((a.global_indices(s) for s in range(3)), [])[:10]
+    assert sorted(first_epoch) == list(range(10))
+
+
+def test_dp_ranks_partition_the_global_batch():
+    data = _batches(gbs=4)
+    whole = torch.cat([mb["tokens"] for mb in data.microbatches(2, 0, 1)])
+    parts = torch.cat([mb["tokens"] for r in range(2) for mb in data.microbatches(2, r, 2)])
+    assert torch.equal(whole, parts)
+
+
+def test_mixture_counts_follow_weights():
+    assert mixture_counts((("a", 1.0), ("b", 3.0)), 10) in ([3, 7], [2, 8])
+    assert sum(mixture_counts((("a", 1.0), ("b", 1.0), ("c", 1.0)), 10)) == 10
+
+
+def test_reasoning_gym_items_are_deterministic():
+    a = generate_items((("basic_arithmetic", 1.0), ("letter_counting", 1.0)), 6, seed=5)
+    b = generate_items((("basic_arithmetic", 1.0), ("letter_counting", 1.0)), 6, seed=5)
+    assert a == b and {x.task for x in a} == {"basic_arithmetic", "letter_counting"}
+
+
+def test_sentencepiece_tokenizer(tmp_path):
+    spm = pytest.importorskip("sentencepiece")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"Calculate {i} + {i * 3} = {i * 4}." for i in range(300)))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"),
+                                   vocab_size=64, model_type="bpe", eos_id=2, pad_id=3,
+                                   bos_id=1, unk_id=0)
+    tok = load_tokenizer(EMBEDDED_DEFAULT, tmp_path / "sp.model")
+    assert isinstance(tok, SentencePieceTokenizer)
+    assert tok.decode(tok.encode("Calculate 7 + 21 = 28.")) == "Calculate 7 + 21 = 28."
+    assert tok.eos_token_id == 2 and tok.pad_token_id == 3
+    # a folder with only tokenizer.model is picked up too
+    (tmp_path / "only").mkdir()
+    (tmp_path / "only" / "tokenizer.model").write_bytes((tmp_path / "sp.model").read_bytes())
+    assert isinstance(load_tokenizer(tmp_path / "only"), SentencePieceTokenizer)
+    with pytest.raises(FileNotFoundError, match="tokenizer"):
+        load_tokenizer(tmp_path)
