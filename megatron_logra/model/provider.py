@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -215,14 +216,27 @@ def initial_full_value(name: str, shape: tuple[int, ...], arch: ModelArch, seed:
     return value
 
 
+FullValue = Callable[[str, tuple[int, ...]], torch.Tensor]
+"""(canonical name, full TP=1 shape) -> the full tensor."""
+
+
 @torch.no_grad()
-def init_weights(model: torch.nn.Module, arch: ModelArch, seed: int) -> None:
+def assign_full_values(model: torch.nn.Module, arch: ModelArch, full_value: FullValue) -> None:
+    """Set every local parameter to its TP shard of ``full_value(name, full_shape)``."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     names = canonical_param_names(model, arch)
     for local_name, param in unwrap(model).named_parameters():
-        full = initial_full_value(names[local_name], global_shape(param), arch, seed)
+        shape = global_shape(param)
+        full = full_value(names[local_name], shape)
+        if tuple(full.shape) != shape:
+            raise ValueError(f"{names[local_name]}: got shape {tuple(full.shape)}, the model "
+                             f"expects {shape}")
         split = tp_split(param)
         if split is not None:
             full = shard_of_full(full, split[0], split[1], tp_rank, tp_size)
         param.copy_(full.to(param.dtype))
+
+
+def init_weights(model: torch.nn.Module, arch: ModelArch, seed: int) -> None:
+    assign_full_values(model, arch, lambda name, shape: initial_full_value(name, shape, arch, seed))

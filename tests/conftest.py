@@ -1,4 +1,0 @@
-import warnings
-
-warnings.filterwarnings("ignore", module="megatron")
-warnings.filterwarnings("ignore", message=".*Apex.*")
