@@ -25,10 +25,6 @@ class TextTokenizer:
         """Text that precedes the model's answer."""
         return question + "\n"
 
-    @property
-    def eos_text(self) -> str:
-        return ""
-
 
 class HFTokenizer(TextTokenizer):
     def __init__(self, model_dir: str | Path):

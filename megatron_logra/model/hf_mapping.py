@@ -103,6 +103,14 @@ def _pad_vocab(arch: ModelArch, table: torch.Tensor) -> torch.Tensor:
     return torch.cat([table, pad])
 
 
+def _layer_parts(name: str) -> tuple[str, str]:
+    """``decoder.layers.{i}.{suffix}`` -> (``model.layers.{i}.``, suffix)."""
+    match = _LAYER.match(name)
+    if not match:
+        raise KeyError(f"no HF mapping for megatron parameter {name!r}")
+    return f"model.layers.{match.group(1)}.", match.group(2)
+
+
 def megatron_from_hf(arch: ModelArch, name: str, read: Reader) -> torch.Tensor:
     if name == "embedding.word_embeddings.weight":
         return _pad_vocab(arch, read("model.embed_tokens.weight"))
@@ -111,11 +119,7 @@ def megatron_from_hf(arch: ModelArch, name: str, read: Reader) -> torch.Tensor:
         return _pad_vocab(arch, read(src))
     if name == "decoder.final_layernorm.weight":
         return read("model.norm.weight")
-    match = _LAYER.match(name)
-    if not match:
-        raise KeyError(f"no HF mapping for megatron parameter {name!r}")
-    hf = f"model.layers.{match.group(1)}."
-    suffix = match.group(2)
+    hf, suffix = _layer_parts(name)
     if suffix in _DIRECT:
         return read(hf + _DIRECT[suffix])
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
@@ -133,11 +137,7 @@ def hf_from_megatron(arch: ModelArch, name: str, tensor: torch.Tensor) -> list[t
         return [] if arch.tie_word_embeddings else [("lm_head.weight", tensor[: arch.vocab_size])]
     if name == "decoder.final_layernorm.weight":
         return [("model.norm.weight", tensor)]
-    match = _LAYER.match(name)
-    if not match:
-        raise KeyError(f"no HF mapping for megatron parameter {name!r}")
-    hf = f"model.layers.{match.group(1)}."
-    suffix = match.group(2)
+    hf, suffix = _layer_parts(name)
     if suffix in _DIRECT:
         return [(hf + _DIRECT[suffix], tensor)]
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):

@@ -82,17 +82,3 @@ def train_step(objs, microbatches, *, seq_length: int, micro_batch_size: int) ->
         objs.scheduler.step(increment=1)
     loss, tokens = global_loss(reports)
     return StepResult(loss, tokens, None if grad_norm is None else float(grad_norm), bool(ok))
-
-
-@torch.no_grad()
-def eval_loss(objs, microbatches, *, seq_length: int, micro_batch_size: int) -> float:
-    for chunk in objs.model:
-        chunk.eval()
-    try:
-        reports = forward_backward(objs.model, microbatches, seq_length=seq_length,
-                                   micro_batch_size=micro_batch_size,
-                                   vocab_size=objs.arch.vocab_size, forward_only=True)
-    finally:
-        for chunk in objs.model:
-            chunk.train()
-    return global_loss(reports)[0]

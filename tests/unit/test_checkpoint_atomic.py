@@ -1,0 +1,60 @@
+"""A crash in the middle of a save leaves the previous checkpoint intact and selected."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_logra.cli import parse_run_config
+from megatron_logra.training import checkpointing
+
+
+def _cfg(tmp_path, *extra):
+    return parse_run_config(["--train-iters", "2", "--global-batch-size", "2",
+                             "--micro-batch-size", "1", "--seq-length", "32", "--dataset-size", "8",
+                             "--output-dir", str(tmp_path / "out"), "--save", str(tmp_path / "ck"),
+                             *extra], world_size=1)
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    from megatron_logra.training.trainer import run_sft
+
+    result = run_sft(_cfg(tmp_path))
+    ck = tmp_path / "ck"
+    assert checkpointing.resolve_load_dir(ck) == ck / "iter_0000002"
+
+    def crashing_save(state, directory, **kwargs):
+        (tmp_path / "ck" / "iter_0000003.partial" / "half_written.distcp").write_bytes(b"\0" * 64)
+        raise RuntimeError("simulated crash during save")
+
+    monkeypatch.setattr(checkpointing.dist_checkpointing, "save", crashing_save)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        checkpointing.save_checkpoint(ck, 3, result.objects, {}, {"arch": None})
+    monkeypatch.undo()
+    assert (ck / "latest").read_text().strip() == "iter_0000002"
+    assert not (ck / "iter_0000003").exists() and (ck / "iter_0000003.partial").exists()
+    assert checkpointing.resolve_load_dir(ck) == ck / "iter_0000002"
+
+    # the previous checkpoint still loads and resumes; the stale partial is cleaned by a save
+    resumed = run_sft(_cfg(tmp_path, "--load", str(ck), "--train-iters", "3"))
+    assert [r["step"] for r in resumed.records] == [3]
+    assert checkpointing.resolve_load_dir(ck) == ck / "iter_0000003"
+    assert not (ck / "iter_0000003.partial").exists()
+
+
+def test_resume_refuses_other_optimizer_sharding(tmp_path):
+    from megatron_logra.training.trainer import run_sft
+
+    run_sft(_cfg(tmp_path))
+    with pytest.raises(ValueError, match="resume without --use-distributed-optimizer"):
+        run_sft(_cfg(tmp_path, "--load", str(tmp_path / "ck"), "--train-iters", "3",
+                     "--use-distributed-optimizer"))
+
+
+def test_checkpoint_for_another_model_is_refused(tmp_path):
+    from megatron_logra.model.tiny_assets import write_tiny_model_dir
+    from megatron_logra.training.trainer import run_sft
+
+    run_sft(_cfg(tmp_path))
+    other = write_tiny_model_dir(tmp_path / "other", num_layers=2)
+    with pytest.raises(ValueError, match="saved for another model"):
+        run_sft(_cfg(tmp_path, "--load", str(tmp_path / "ck"), "--model-dir", str(other)))
