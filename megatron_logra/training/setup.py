@@ -56,7 +56,8 @@ def build_scheduler(optimizer, cfg: OptimizerConfig, train_iters: int) -> Optimi
         lr_warmup_steps=cfg.lr_warmup_iters, lr_decay_steps=max(decay, cfg.lr_warmup_iters + 1),
         lr_decay_style=cfg.lr_decay_style, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
         wd_incr_steps=decay, wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False)
+        # on resume the schedule follows the command line; its step count the checkpoint
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
 
 
 def build_training_objects(arch: ModelArch, build: ModelBuildConfig, opt: OptimizerConfig,
