@@ -160,10 +160,14 @@ def parse_run_config(argv: list[str] | None = None, world_size: int | None = Non
     from megatron_logra.model.arch import UnsupportedModelError, load_arch
 
     try:
-        load_arch(args.model_dir).check_parallel(parallel.tensor_model_parallel_size,
-                                                 parallel.pipeline_model_parallel_size)
+        arch = load_arch(args.model_dir)
+        arch.check_parallel(parallel.tensor_model_parallel_size,
+                            parallel.pipeline_model_parallel_size)
     except (UnsupportedModelError, ValueError) as exc:
         raise ConfigError(f"--model-dir {args.model_dir}: {exc}") from None
+    if args.seq_length > arch.max_position_embeddings:
+        raise ConfigError(f"--seq-length {args.seq_length} exceeds the model's "
+                          f"max_position_embeddings={arch.max_position_embeddings}; use at most that")
     if args.optimizer == "logra":
         raise ConfigError("--optimizer logra is not available yet (it lands with the LoGRA "
                           "optimizer issue); use --optimizer adam")

@@ -58,6 +58,7 @@ def test_valid_command_line_gives_frozen_config():
     (["--finetune"], 1, "--finetune needs --load"),
     (["--train-iters", "0"], 1, "--train-iters must be >= 1"),
     (["--min-lr", "1", "--lr", "0.1"], 1, "--min-lr"),
+    (["--seq-length", "4096"], 1, "exceeds the model's max_position_embeddings=1024"),
 ])
 def test_bad_command_lines_name_problem_and_fix(argv, world, match):
     with pytest.raises(ConfigError, match=match):
