@@ -108,10 +108,15 @@ def save_checkpoint(save_dir: str | os.PathLike, step: int, objs, extra_state: d
     if rank0:
         full_meta = {"format_version": FORMAT_VERSION, "step": step, **meta}
         (partial_dir / META).write_text(json.dumps(full_meta, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
+        stale = final.with_name(final.name + ".old")
+        if final.exists():  # re-saving a step: keep the old copy until the new one is in place
+            if stale.exists():
+                shutil.rmtree(stale)
+            os.replace(final, stale)
         os.replace(partial_dir, final)
         _write_text_atomic(root / LATEST, final.name + "\n")
+        if stale.exists():
+            shutil.rmtree(stale)
     _barrier()
     return final
 
