@@ -59,9 +59,14 @@ def read_meta(ckpt_dir: str | os.PathLike) -> dict:
     return json.loads((Path(ckpt_dir) / META).read_text())
 
 
+def _megatron_optimizers(optimizer) -> list:
+    """The megatron optimizers inside a ChainedOptimizer (or the optimizer itself)."""
+    return getattr(optimizer, "chained_optimizers", None) or [optimizer]
+
+
 def _inner_torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
-    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [opt.optimizer for opt in chained if getattr(opt, "optimizer", None) is not None]
+    return [opt.optimizer for opt in _megatron_optimizers(optimizer)
+            if getattr(opt, "optimizer", None) is not None]
 
 
 def _model_sharded_state_dict(model) -> dict:
@@ -173,11 +178,7 @@ def _materialize_optimizer_state(optimizer) -> None:
     megatron-core 0.16.1's DistributedOptimizer.state_dict() asserts a single distinct
     step, which a never-stepped torch Adam lacks; the values are overwritten by the load.
     """
-    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    for opt in chained:
-        torch_opt = getattr(opt, "optimizer", None)
-        if torch_opt is None:
-            continue
+    for torch_opt in _inner_torch_optimizers(optimizer):
         for group in torch_opt.param_groups:
             for param in group["params"]:
                 state = torch_opt.state[param]
@@ -187,8 +188,7 @@ def _materialize_optimizer_state(optimizer) -> None:
 
 
 def _reload_main_params(optimizer) -> None:
-    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    for opt in chained:
+    for opt in _megatron_optimizers(optimizer):
         reload = getattr(opt, "reload_model_params", None)
         if reload is not None:
             reload()
