@@ -1,0 +1,1 @@
+"""Command-line tools: HF <-> megatron checkpoint conversion and verification."""

@@ -14,17 +14,10 @@ from __future__ import annotations
 import sys
 
 
-def _quiet_library_warnings() -> None:
-    """megatron-core warns about every optional CUDA extension it does not find (apex,
-    TE) on import; keep the progress output readable. Our own warnings still show."""
-    import warnings
-
-    for module in ("megatron", "torch.distributed.checkpoint", "transformers"):
-        warnings.filterwarnings("ignore", module=module)
-
-
 def main(argv: list[str] | None = None) -> int:
-    _quiet_library_warnings()
+    from megatron_logra.runtime.quiet import quiet_library_warnings
+
+    quiet_library_warnings()
     from megatron_logra.cli import ConfigError, parse_run_config
 
     try:

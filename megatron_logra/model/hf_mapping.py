@@ -17,7 +17,8 @@ np/ng query heads, then its key head, then its value head (hn rows each). fc1 is
 from __future__ import annotations
 
 import re
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 
@@ -95,12 +96,39 @@ def split_qkv(arch: ModelArch, fused: torch.Tensor) -> tuple[torch.Tensor, torch
             v.reshape(-1, *tail).contiguous())
 
 
-def _pad_vocab(arch: ModelArch, table: torch.Tensor) -> torch.Tensor:
-    if table.shape[0] != arch.vocab_size:
-        raise ValueError(f"vocab table has {table.shape[0]} rows, config.json says vocab_size="
-                         f"{arch.vocab_size}")
-    pad = table.new_zeros(arch.padded_vocab_size - arch.vocab_size, table.shape[1])
-    return torch.cat([table, pad])
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``[start, stop)`` of HF tensor ``hf_name`` (None: ``stop - start`` zero rows)."""
+
+    hf_name: str | None
+    start: int
+    stop: int
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+class TensorSource(Protocol):
+    """Reads (a row and/or column range of) one HF tensor."""
+
+    def read(self, name: str, rows: tuple[int, int] | None = None,
+             cols: tuple[int, int] | None = None) -> torch.Tensor: ...
+
+
+class DictSource:
+    """A ``TensorSource`` over an in-memory HF state dict."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+
+    def read(self, name, rows=None, cols=None):
+        t = self.state[name]
+        if rows is not None:
+            t = t[rows[0]:rows[1]]
+        if cols is not None:
+            t = t[:, cols[0]:cols[1]]
+        return t
 
 
 def _layer_parts(name: str) -> tuple[str, str]:
@@ -111,23 +139,101 @@ def _layer_parts(name: str) -> tuple[str, str]:
     return f"model.layers.{match.group(1)}.", match.group(2)
 
 
-def megatron_from_hf(arch: ModelArch, name: str, read: Reader) -> torch.Tensor:
-    if name == "embedding.word_embeddings.weight":
-        return _pad_vocab(arch, read("model.embed_tokens.weight"))
-    if name == "output_layer.weight":
-        src = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
-        return _pad_vocab(arch, read(src))
+def megatron_param_shape(arch: ModelArch, name: str) -> tuple[int, ...]:
+    """The full (TP=1) shape of canonical megatron parameter ``name``."""
+    h, hn = arch.hidden_size, arch.head_dim
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return (arch.padded_vocab_size, h)
     if name == "decoder.final_layernorm.weight":
-        return read("model.norm.weight")
+        return (h,)
+    _, suffix = _layer_parts(name)
+    shapes = {
+        "input_layernorm.weight": (h,),
+        "pre_mlp_layernorm.weight": (h,),
+        "self_attention.linear_qkv.weight": (arch.qkv_rows, h),
+        "self_attention.linear_qkv.bias": (arch.qkv_rows,),
+        "self_attention.q_layernorm.weight": (hn,),
+        "self_attention.k_layernorm.weight": (hn,),
+        "self_attention.linear_proj.weight": (h, arch.num_attention_heads * hn),
+        "mlp.linear_fc1.weight": (2 * arch.ffn_hidden_size, h),
+        "mlp.linear_fc2.weight": (h, arch.ffn_hidden_size),
+    }
+    if suffix not in shapes:
+        raise KeyError(f"no HF mapping for megatron parameter {name!r}")
+    return shapes[suffix]
+
+
+def hf_param_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """{HF name: shape} of every tensor the model needs, in megatron parameter order."""
+    shapes = {}
+    for name in megatron_param_names(arch):
+        meta = torch.empty(megatron_param_shape(arch, name), device="meta")
+        shapes.update((hf, tuple(t.shape)) for hf, t in hf_from_megatron(arch, name, meta))
+    return shapes
+
+
+def row_segments(arch: ModelArch, name: str) -> list[Segment]:
+    """Megatron tensor ``name`` as HF row ranges stacked along dim 0 (the whole mapping HF ->
+    megatron: qkv interleave per query group, fc1 = [gate; up], zero-padded vocab)."""
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        src = ("model.embed_tokens.weight" if name.startswith("embedding")
+               or arch.tie_word_embeddings else "lm_head.weight")
+        return [Segment(src, 0, arch.vocab_size),
+                Segment(None, arch.vocab_size, arch.padded_vocab_size)]
+    if name == "decoder.final_layernorm.weight":
+        return [Segment("model.norm.weight", 0, arch.hidden_size)]
     hf, suffix = _layer_parts(name)
+    rows = megatron_param_shape(arch, name)[0]
     if suffix in _DIRECT:
-        return read(hf + _DIRECT[suffix])
+        return [Segment(hf + _DIRECT[suffix], 0, rows)]
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = suffix.rsplit(".", 1)[1]
-        return interleave_qkv(arch, *(read(hf + f"self_attn.{x}_proj.{kind}") for x in "qkv"))
+        q, k, v = (hf + f"self_attn.{x}_proj.{kind}" for x in "qkv")
+        hn, q_rows = arch.head_dim, arch.num_attention_heads // arch.num_kv_heads * arch.head_dim
+        segments = []
+        for g in range(arch.num_kv_heads):
+            segments += [Segment(q, g * q_rows, (g + 1) * q_rows),
+                         Segment(k, g * hn, (g + 1) * hn), Segment(v, g * hn, (g + 1) * hn)]
+        return segments
     if suffix == "mlp.linear_fc1.weight":
-        return torch.cat([read(hf + "mlp.gate_proj.weight"), read(hf + "mlp.up_proj.weight")])
+        f = arch.ffn_hidden_size
+        return [Segment(hf + "mlp.gate_proj.weight", 0, f), Segment(hf + "mlp.up_proj.weight", 0, f)]
     raise KeyError(f"no HF mapping for megatron parameter {name!r}")
+
+
+def megatron_from_hf(arch: ModelArch, name: str, source: TensorSource | Reader,
+                     rows: list[tuple[int, int]] | None = None,
+                     cols: tuple[int, int] | None = None) -> torch.Tensor:
+    """Megatron tensor ``name`` (or its rows ``rows``, a list of [start, stop) ranges in megatron
+    row order, and/or its columns ``cols``) read from HF tensors.
+
+    ``source`` is a ``TensorSource`` (reads only the needed rows/columns) or a plain
+    ``read(hf_name) -> full tensor`` callable.
+    """
+    if callable(source) and not hasattr(source, "read"):
+        source = _CallableSource(source)
+    shape = megatron_param_shape(arch, name)
+    tail = shape[1:] if cols is None else (cols[1] - cols[0], *shape[2:])
+    parts: list[torch.Tensor | int] = []  # an int stands for that many zero (padding) rows
+    for a, b in rows if rows is not None else [(0, shape[0])]:
+        offset = 0
+        for seg in row_segments(arch, name):
+            lo, hi = max(a, offset), min(b, offset + seg.rows)
+            if lo < hi:
+                parts.append(hi - lo if seg.hf_name is None else source.read(
+                    seg.hf_name, rows=(seg.start + lo - offset, seg.start + hi - offset), cols=cols))
+            offset += seg.rows
+    dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), torch.float32)
+    parts = [torch.zeros((p, *tail), dtype=dtype) if isinstance(p, int) else p for p in parts]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+class _CallableSource:
+    def __init__(self, read: Reader):
+        self._read = read
+
+    def read(self, name, rows=None, cols=None):
+        return DictSource({name: self._read(name)}).read(name, rows, cols)
 
 
 def hf_from_megatron(arch: ModelArch, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

@@ -100,11 +100,9 @@ def layer_spec(arch: ModelArch, build: ModelBuildConfig):
     return get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
 
 
-def build_gpt_model(arch: ModelArch, build: ModelBuildConfig, seed: int) -> GPTModel:
-    """This rank's stage of the model, on the runtime device, random-initialised from ``seed``."""
-    config = transformer_config(arch, build)
+def _construct(arch: ModelArch, build: ModelBuildConfig) -> GPTModel:
     model = GPTModel(
-        config=config,
+        config=transformer_config(arch, build),
         transformer_layer_spec=layer_spec(arch, build),
         vocab_size=arch.padded_vocab_size,
         max_sequence_length=arch.max_position_embeddings,
@@ -118,9 +116,22 @@ def build_gpt_model(arch: ModelArch, build: ModelBuildConfig, seed: int) -> GPTM
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
     _mark_tensor_parallel_params(model)
+    return model
+
+
+def build_gpt_model(arch: ModelArch, build: ModelBuildConfig, seed: int) -> GPTModel:
+    """This rank's stage of the model, on the runtime device, random-initialised from ``seed``."""
+    model = _construct(arch, build)
     model.to(current_device())
     init_weights(model, arch, seed)
     return model
+
+
+def build_meta_model(arch: ModelArch, build: ModelBuildConfig) -> GPTModel:
+    """This rank's stage with every parameter on the meta device (no memory): for layouts,
+    names and shapes, e.g. megatron's checkpoint keys without building the weights."""
+    with torch.device("meta"):
+        return _construct(arch, build)
 
 
 def _mark_tensor_parallel_params(model: GPTModel) -> None:
@@ -219,23 +230,36 @@ def initial_full_value(name: str, shape: tuple[int, ...], arch: ModelArch, seed:
 FullValue = Callable[[str, tuple[int, ...]], torch.Tensor]
 """(canonical name, full TP=1 shape) -> the full tensor."""
 
+ShardValue = Callable[[str, tuple[int, ...], "tuple[int, int] | None", int, int], torch.Tensor]
+"""(canonical name, full shape, (partition_dim, stride) or None, tp_rank, tp_size) -> this
+rank's shard (what ``shard_of_full`` would cut from the full tensor)."""
+
 
 @torch.no_grad()
-def assign_full_values(model: torch.nn.Module, arch: ModelArch, full_value: FullValue) -> None:
-    """Set every local parameter to its TP shard of ``full_value(name, full_shape)``."""
+def assign_shard_values(model: torch.nn.Module, arch: ModelArch, shard_value: ShardValue) -> None:
+    """Set every local parameter to ``shard_value(...)`` (checked against the local shape)."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     names = canonical_param_names(model, arch)
     for local_name, param in unwrap(model).named_parameters():
-        shape = global_shape(param)
-        full = full_value(names[local_name], shape)
-        if tuple(full.shape) != shape:
-            raise ValueError(f"{names[local_name]}: got shape {tuple(full.shape)}, the model "
-                             f"expects {shape}")
         split = tp_split(param)
-        if split is not None:
-            full = shard_of_full(full, split[0], split[1], tp_rank, tp_size)
-        param.copy_(full.to(param.dtype))
+        value = shard_value(names[local_name], global_shape(param), split, tp_rank, tp_size)
+        if value.shape != param.shape:
+            raise ValueError(f"{names[local_name]}: got shape {tuple(value.shape)}, this rank's "
+                             f"shard is {tuple(param.shape)}")
+        param.copy_(value.to(param.dtype))
+
+
+def assign_full_values(model: torch.nn.Module, arch: ModelArch, full_value: FullValue) -> None:
+    """Set every local parameter to its TP shard of ``full_value(name, full_shape)``."""
+
+    def shard_value(name, shape, split, rank, size):
+        full = full_value(name, shape)
+        if tuple(full.shape) != shape:
+            raise ValueError(f"{name}: got shape {tuple(full.shape)}, the model expects {shape}")
+        return full if split is None else shard_of_full(full, split[0], split[1], rank, size)
+
+    assign_shard_values(model, arch, shard_value)
 
 
 def init_weights(model: torch.nn.Module, arch: ModelArch, seed: int) -> None:

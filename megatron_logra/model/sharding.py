@@ -41,6 +41,15 @@ def shard_of_full(full: torch.Tensor, partition_dim: int, stride: int, rank: int
                      dim=partition_dim)
 
 
+def shard_ranges(length: int, stride: int, rank: int, size: int) -> list[tuple[int, int]]:
+    """The [start, stop) index ranges of the partitioned dim that rank ``rank`` of ``size`` holds,
+    in shard order (``shard_of_full`` == cat of those slices)."""
+    if length % (size * stride):
+        raise ValueError(f"length {length} does not split into {size} ranks x stride {stride}")
+    part, chunk = length // stride, length // (stride * size)
+    return [(s * part + rank * chunk, s * part + (rank + 1) * chunk) for s in range(stride)]
+
+
 def full_of_shards(shards: list[torch.Tensor], partition_dim: int, stride: int) -> torch.Tensor:
     """Inverse of ``shard_of_full``: shards[r] is rank r's shard."""
     if len(shards) == 1:

@@ -27,6 +27,7 @@ Sites covered (paths under ``megatron/core``):
   ``Float16OptimizerWithFloat16Params.__init__`` and
   ``clip_grads.clip_grad_by_total_norm_fp32`` -> while those three run, a CPU
   tensor's ``type()`` reports the matching ``torch.cuda.*`` name.
+* ``with torch.device("meta")`` keeps working through the wrapped factories.
 * The CUDA RNG tracker (``tensor_parallel/random.py``): ``_get_cuda_rng_state``,
   ``_set_cuda_rng_state`` and ``CudaRNGStatesTracker.add`` use the CPU default
   generator, so ``fork()`` (always taken by ``DotProductAttention``) and
@@ -129,6 +130,12 @@ def apply_cpu_shims() -> None:
     global _APPLIED
     if _APPLIED or torch.cuda.is_available():
         return
+    # torch's ``with torch.device(...)`` mode recognises factories by identity, from a
+    # cache it fills on first use: fill it with the originals before wrapping them, or
+    # meta-device construction (build_meta_model) silently allocates on CPU instead.
+    from torch.utils import _device as torch_device_mode
+
+    torch_device_mode._device_constructors()
     for name in _FACTORIES:
         setattr(torch, name, _redirect_device(getattr(torch, name)))
     torch.cuda.current_device = lambda: "cpu"

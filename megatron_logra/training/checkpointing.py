@@ -51,7 +51,8 @@ def resolve_load_dir(path: str | os.PathLike) -> Path:
         return target
     if (root / "config.json").is_file():
         raise ValueError(f"{root} is an HF model folder, not a Megatron checkpoint: convert it with "
-                         f"'python -m checkpoints_tools.hf_to_megatron --hf-dir {root} --out CKPT'")
+                         f"'python -m checkpoints_tools.hf_to_megatron --hf-dir {root} --out CKPT' "
+                         f"(the trainer's --load takes it directly)")
     raise ValueError(f"{root} holds no checkpoint (no {LATEST} file and no {META})")
 
 
@@ -130,6 +131,26 @@ def optimizer_sharding(use_distributed_optimizer: bool) -> str:
     return "distributed" if use_distributed_optimizer else "replicated"
 
 
+def check_arch(meta: dict, arch, ckpt: Path) -> None:
+    saved_arch = meta.get("arch")
+    if saved_arch is not None and saved_arch != arch.to_dict():
+        diff = {k: (saved_arch.get(k), v) for k, v in arch.to_dict().items()
+                if saved_arch.get(k) != v}
+        raise ValueError(f"checkpoint {ckpt} was saved for another model: (saved, now) = {diff}; "
+                         f"pass the --model-dir it was trained with")
+
+
+def load_model_weights(load: str | os.PathLike, model: list, arch) -> dict:
+    """Load only the weights of checkpoint ``load`` into ``model`` (this rank's chunks, any
+    TP/PP layout); returns the checkpoint's meta."""
+    ckpt = resolve_load_dir(load)
+    meta = read_meta(ckpt)
+    check_arch(meta, arch, ckpt)
+    loaded = dist_checkpointing.load({"model": _model_sharded_state_dict(model)}, str(ckpt))
+    unwrap(model[0]).load_state_dict(loaded["model"], strict=True)
+    return meta
+
+
 def load_checkpoint(load: str | os.PathLike, objs, *, weights_only: bool,
                     sharding: str) -> tuple[dict, dict]:
     """Load into ``objs`` in place; returns (extra_state, meta).
@@ -145,12 +166,11 @@ def load_checkpoint(load: str | os.PathLike, objs, *, weights_only: bool,
         raise ValueError(f"checkpoint {ckpt} holds {saved_sharding} optimizer state; resume "
                          f"{flag} --use-distributed-optimizer, or pass --finetune to load only "
                          f"the weights")
-    saved_arch = meta.get("arch")
-    if saved_arch is not None and saved_arch != objs.arch.to_dict():
-        diff = {k: (saved_arch.get(k), v) for k, v in objs.arch.to_dict().items()
-                if saved_arch.get(k) != v}
-        raise ValueError(f"checkpoint {ckpt} was saved for another model: (saved, now) = {diff}; "
-                         f"pass the --model-dir it was trained with")
+    if not weights_only and meta.get("weights_only"):
+        raise ValueError(f"checkpoint {ckpt} holds weights only (written by "
+                         f"{meta.get('source', {}).get('tool', 'a converter')}): load it with "
+                         f"--finetune")
+    check_arch(meta, objs.arch, ckpt)
     if not weights_only:
         _materialize_optimizer_state(objs.optimizer)
     state = _sharded_state_dict(objs, is_loading=True, with_optimizer=not weights_only)

@@ -1,0 +1,28 @@
+"""Shared plumbing of the checkpoint tools: dtype flag, error reporting."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+DTYPE_CHOICES = ("bf16", "fp32", "fp16")
+
+
+def add_dtype_flag(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=default,
+                        help="dtype of the written tensors")
+
+
+def run_tool(body: Callable[[], None]) -> int:
+    """Run ``body``; bad input (any ValueError/FileNotFoundError raised while validating or
+    converting) becomes 'error: ...' on stderr and exit status 2, nothing half-written."""
+    from megatron_logra.runtime.quiet import quiet_library_warnings
+
+    quiet_library_warnings()
+    try:
+        body()
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
