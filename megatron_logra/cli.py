@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP degree")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP degree")
     g = p.add_argument_group("model")
-    g.add_argument("--model-dir", default=str(EMBEDDED_DEFAULT),
-                   help="HF model folder (config.json + tokenizer); default: the embedded tiny Llama")
+    g.add_argument("--model-dir", default=None,
+                   help="HF model folder (config.json + tokenizer); default: the --load HF folder "
+                        "if there is one, else the embedded tiny Llama")
     g.add_argument("--tokenizer-model", default=None,
                    help="sentencepiece tokenizer.model overriding the folder's tokenizer")
     g = p.add_argument_group("training")
@@ -79,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=0,
                    help="updates between checkpoints (0: only at the end)")
     g.add_argument("--load", default=None,
-                   help="checkpoint directory (or one iter_* folder in it) to resume from")
+                   help="checkpoint directory (or one iter_* folder in it) to resume from, or an "
+                        "HF model folder / converted checkpoint to start from (weights only)")
     g.add_argument("--finetune", action="store_true",
                    help="with --load: take the weights only (fresh optimizer, step 0)")
     return p
@@ -124,21 +126,43 @@ def _check_positive(args: argparse.Namespace) -> None:
         raise ConfigError("--adam-beta1/--adam-beta2 must lie in [0, 1)")
 
 
-def _check_paths(args: argparse.Namespace) -> None:
-    model_dir = Path(args.model_dir)
-    if not (model_dir / "config.json").is_file():
+def _load_source(args: argparse.Namespace) -> tuple[str, str, bool]:
+    """(model_dir, load_format, weights_only) after checking --model-dir / --load / --finetune."""
+    from megatron_logra.convert.hf_checkpoint import is_hf_folder
+
+    load_format, weights_only = "megatron", args.finetune
+    if args.finetune and not args.load:
+        raise ConfigError("--finetune needs --load")
+    if args.load and is_hf_folder(args.load):
+        load_format, weights_only = "hf", True
+    elif args.load:
+        from megatron_logra.training.checkpointing import read_meta, resolve_load_dir
+
+        try:
+            weights_only = weights_only or bool(read_meta(resolve_load_dir(args.load)).get(
+                "weights_only"))
+        except (FileNotFoundError, ValueError) as exc:
+            raise ConfigError(f"--load: {exc}") from None
+    model_dir = args.model_dir or (args.load if load_format == "hf" else str(EMBEDDED_DEFAULT))
+    if not (Path(model_dir) / "config.json").is_file():
         raise ConfigError(f"--model-dir {model_dir}: no config.json there; name an HF model folder")
     if args.tokenizer_model and not Path(args.tokenizer_model).is_file():
         raise ConfigError(f"--tokenizer-model {args.tokenizer_model}: file not found")
-    if args.load:
-        from megatron_logra.training.checkpointing import resolve_load_dir
+    return model_dir, load_format, weights_only
 
-        try:
-            resolve_load_dir(args.load)
-        except (FileNotFoundError, ValueError) as exc:
-            raise ConfigError(f"--load: {exc}") from None
-    if args.finetune and not args.load:
-        raise ConfigError("--finetune needs --load")
+
+def _check_hf_load(load: str, arch) -> None:
+    """Open the HF folder's headers now, so bad weights fail before any process starts work."""
+    from megatron_logra.convert.hf_checkpoint import HFCheckpoint
+    from megatron_logra.model.arch import load_arch
+
+    if load_arch(load) != arch:
+        raise ConfigError(f"--load {load} holds another model than --model-dir describes; drop "
+                          f"--model-dir or make it the same model")
+    try:
+        HFCheckpoint(load, arch)
+    except ValueError as exc:
+        raise ConfigError(f"--load: {exc}") from None
 
 
 def parse_run_config(argv: list[str] | None = None, world_size: int | None = None) -> RunConfig:
@@ -156,15 +180,17 @@ def parse_run_config(argv: list[str] | None = None, world_size: int | None = Non
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
             f"{args.micro_batch_size} x data-parallel size {dp} = {args.micro_batch_size * dp}; "
             f"choose a global batch that is a multiple of {args.micro_batch_size * dp}")
-    _check_paths(args)
+    model_dir, load_format, weights_only = _load_source(args)
     from megatron_logra.model.arch import UnsupportedModelError, load_arch
 
     try:
-        arch = load_arch(args.model_dir)
+        arch = load_arch(model_dir)
         arch.check_parallel(parallel.tensor_model_parallel_size,
                             parallel.pipeline_model_parallel_size)
     except (UnsupportedModelError, ValueError) as exc:
-        raise ConfigError(f"--model-dir {args.model_dir}: {exc}") from None
+        raise ConfigError(f"--model-dir {model_dir}: {exc}") from None
+    if load_format == "hf":
+        _check_hf_load(args.load, arch)
     if args.seq_length > arch.max_position_embeddings:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds the model's "
                           f"max_position_embeddings={arch.max_position_embeddings}; use at most that")
@@ -175,7 +201,7 @@ def parse_run_config(argv: list[str] | None = None, world_size: int | None = Non
         raise ConfigError("--stage rl is not available yet (it lands with the RL issue); "
                           "use --stage sft")
     return RunConfig(
-        model=ModelSource(args.model_dir, args.tokenizer_model),
+        model=ModelSource(model_dir, args.tokenizer_model),
         output_dir=args.output_dir,
         parallel=parallel,
         optimizer=OptimizerConfig(
@@ -192,5 +218,6 @@ def parse_run_config(argv: list[str] | None = None, world_size: int | None = Non
         data=DataConfig(tasks=parse_tasks(args.task), dataset_size=args.dataset_size,
                         data_seed=args.data_seed),
         checkpoint=CheckpointConfig(save=args.save, save_interval=args.save_interval,
-                                    load=args.load, finetune=args.finetune),
+                                    load=args.load, load_format=load_format,
+                                    finetune=weights_only),
     )

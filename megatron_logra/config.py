@@ -64,6 +64,7 @@ class CheckpointConfig:
     save: str | None = None
     save_interval: int = 0  # 0: only at the end (when --save is given)
     load: str | None = None
+    load_format: str = "megatron"  # "megatron" (a checkpoint folder) | "hf" (an HF model folder)
     finetune: bool = False  # load weights only: no optimizer/scheduler state, step 0
 
 

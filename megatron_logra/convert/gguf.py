@@ -67,3 +67,26 @@ def gguf_to_hf(gguf_file: str | os.PathLike, out: str | os.PathLike, *,
         cfg.pop("_model_name_or_path", None)
         cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     return Path(out)
+
+
+CACHE_ENV = "MEGATRON_LOGRA_CACHE"
+SMOLLM2_HF_NAME = "smollm2-135m-instruct"
+
+
+def cache_root() -> Path:
+    """Where converted real checkpoints are kept: ``$MEGATRON_LOGRA_CACHE`` or ``<repo>/.cache``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[2] / ".cache"
+
+
+def ensure_smollm2_hf(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The SmolLM2-135M-Instruct HF folder, converted from the shipped GGUF on first use.
+
+    The conversion writes into a temporary sibling and renames, so a folder with a
+    config.json is always complete; concurrent first uses each convert and the
+    last rename wins (same bytes)."""
+    folder = Path(cache_dir) if cache_dir else cache_root() / SMOLLM2_HF_NAME
+    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+        return folder
+    print(f"[smollm2] converting {SMOLLM2_GGUF} -> {folder} (once, ~1 min)", flush=True)
+    return gguf_to_hf(smollm2_gguf_path(), folder, overwrite=True)

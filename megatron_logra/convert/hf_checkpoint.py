@@ -129,3 +129,21 @@ class HFCheckpoint:
         if dim == 1 and stride == 1:
             return megatron_from_hf(self.arch, name, self, cols=ranges[0])
         raise NotImplementedError(f"{name}: partition dim {dim} with stride {stride}")
+
+
+def is_hf_folder(path: str | os.PathLike) -> bool:
+    """An HF model folder with weights (config.json + safetensors)."""
+    folder = Path(path)
+    return (folder / "config.json").is_file() and (
+        (folder / INDEX).is_file() or any(folder.glob("*.safetensors")))
+
+
+def load_hf_weights(model: list[torch.nn.Module], arch: ModelArch,
+                    hf_dir: str | os.PathLike) -> None:
+    """Fill this rank's model chunks from an HF folder, reading only this rank's TP slices of
+    this pipeline stage's tensors straight from the safetensors files."""
+    from megatron_logra.model.provider import assign_shard_values
+
+    source = HFCheckpoint(hf_dir, arch)
+    for chunk in model:
+        assign_shard_values(chunk, arch, source.megatron_shard)

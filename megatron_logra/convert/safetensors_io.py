@@ -6,7 +6,7 @@ and the raw little-endian tensor bytes. Owning the reader and writer (instead
 of ``safetensors.safe_open``'s mmap) keeps memory to what one call asks for:
 
 * ``SafetensorsFile.read(name, rows=, cols=)`` reads only the requested rows
-  (one contiguous byte range), or the requested columns block by block;
+  (one contiguous byte range) or columns (one short range per row);
 * ``StreamingShardWriter`` knows every tensor's name, shape and dtype up
   front, so it writes each shard's header first and then each tensor's bytes
   as soon as it is produced: it never holds more than the tensor in hand.
@@ -31,7 +31,6 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
-_COLUMN_BLOCK_BYTES = 64 * 1024 * 1024
 
 
 class CheckpointFormatError(ValueError):
@@ -76,16 +75,30 @@ class SafetensorsFile:
 
     def _read_columns(self, name: str, entry: TensorEntry, rows: tuple[int, int],
                       cols: tuple[int, int]) -> torch.Tensor:
+        """Columns ``cols`` of rows ``rows``: one short read per row, so exactly the slice's
+        bytes come off the disk (a row-parallel shard never reads its neighbours' columns)."""
         if len(entry.shape) < 2 or not 0 <= cols[0] <= cols[1] <= entry.shape[1]:
             raise IndexError(f"{name}: columns {cols} outside shape {entry.shape}")
-        step = max(1, _COLUMN_BLOCK_BYTES // max(entry.row_bytes, 1))
-        parts = []
-        for r in range(rows[0], rows[1], step):
-            block = self.read(name, rows=(r, min(r + step, rows[1])))
-            parts.append(block[:, cols[0]:cols[1]].clone())
-        if not parts:
-            return torch.empty((0, cols[1] - cols[0], *entry.shape[2:]), dtype=entry.dtype)
-        return torch.cat(parts)
+        col_bytes = entry.row_bytes // entry.shape[1]
+        width = (cols[1] - cols[0]) * col_bytes
+        out = bytearray(width * (rows[1] - rows[0]))
+        view = memoryview(out)
+        with open(self.path, "rb") as f:
+            for i, r in enumerate(range(rows[0], rows[1])):
+                f.seek(entry.begin + r * entry.row_bytes + cols[0] * col_bytes)
+                if f.readinto(view[i * width:(i + 1) * width]) != width:
+                    raise CheckpointFormatError(f"{self.path}: truncated inside {name!r}")
+        _count(len(out))
+        return _from_bytes(out, entry.dtype, (rows[1] - rows[0], cols[1] - cols[0],
+                                              *entry.shape[2:]))
+
+
+BYTES_READ = [0]
+"""Tensor bytes read so far by this process (tests check each rank reads only its shard)."""
+
+
+def _count(n: int) -> None:
+    BYTES_READ[0] += n
 
 
 def _read_exact(f, offset: int, length: int, path: Path) -> bytes:
@@ -94,13 +107,15 @@ def _read_exact(f, offset: int, length: int, path: Path) -> bytes:
     if len(data) != length:
         raise CheckpointFormatError(f"{path}: truncated (wanted {length} bytes at {offset}, "
                                     f"got {len(data)}); re-download or re-export the file")
+    _count(length)
     return data
 
 
-def _from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _from_bytes(data: bytes | bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if not data:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+    buffer = data if isinstance(data, bytearray) else bytearray(data)
+    return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
 
 
 def _read_header(path: Path) -> tuple[dict[str, TensorEntry], dict]:

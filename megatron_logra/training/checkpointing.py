@@ -188,7 +188,7 @@ def load_checkpoint(load: str | os.PathLike, objs, *, weights_only: bool,
                     param_state["step"] = param_state["step"].clone()
     # Model params changed underneath the optimizer's fp32 main copies: refresh them.
     if weights_only:
-        _reload_main_params(objs.optimizer)
+        reload_main_params(objs.optimizer)
     return (loaded.get("extra") or {}), meta
 
 
@@ -207,7 +207,8 @@ def _materialize_optimizer_state(optimizer) -> None:
                 state.setdefault("step", torch.tensor(0.0))
 
 
-def _reload_main_params(optimizer) -> None:
+def reload_main_params(optimizer) -> None:
+    """Refresh the optimizer's fp32 main copies after the model weights changed underneath."""
     for opt in _megatron_optimizers(optimizer):
         reload = getattr(opt, "reload_model_params", None)
         if reload is not None:

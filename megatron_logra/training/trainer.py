@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_logra.config import RunConfig
+from megatron_logra.convert.hf_checkpoint import load_hf_weights
 from megatron_logra.data.sft import SFTBatches, encode_sft
 from megatron_logra.data.tasks import generate_items
 from megatron_logra.data.tokenizer import load_tokenizer
@@ -65,7 +66,12 @@ def run_sft(cfg: RunConfig) -> RunResult:
                                   train_iters=cfg.training.train_iters)
     start_step = 0
     ck = cfg.checkpoint
-    if ck.load:
+    if ck.load and ck.load_format == "hf":
+        load_hf_weights(objs.model, arch, ck.load)
+        checkpointing.reload_main_params(objs.optimizer)
+        if is_logger:
+            print(f"loaded HF weights from {ck.load} (each rank read its own slices)", flush=True)
+    elif ck.load:
         extra, meta = checkpointing.load_checkpoint(
             ck.load, objs, weights_only=ck.finetune,
             sharding=checkpointing.optimizer_sharding(cfg.optimizer.use_distributed_optimizer))
