@@ -71,11 +71,38 @@ def _stored_dtype(ckpt_dir: Path) -> torch.dtype:
     return md["embedding.word_embeddings.weight"].properties.dtype
 
 
+def logits_max_diff(model: list[torch.nn.Module], arch, hf_dir: str | Path,
+                    weight_dtype: torch.dtype, device: torch.device,
+                    reference: dict | None = None) -> tuple[float, int]:
+    """(max |megatron logits - HF logits|, number of tokens) on the sample tokens, the same on
+    every rank. ``model`` is this rank's loaded chunk list; one rank of the last stage runs
+    transformers (its logits cached in ``reference`` by (folder, dtype) when given)."""
+    from megatron_logra.model.logits import model_logits
+
+    tokens = sample_tokens(hf_dir, arch.vocab_size)
+    logits = model_logits(model, tokens, arch.vocab_size)
+    reporter = (parallel_state.is_pipeline_last_stage()
+                and parallel_state.get_tensor_model_parallel_rank() == 0
+                and parallel_state.get_data_parallel_rank() == 0)
+    diff = torch.tensor(-1.0, dtype=torch.float64)
+    if reporter:
+        key = (str(hf_dir), weight_dtype)
+        ref = reference.get(key) if reference is not None else None
+        if ref is None:
+            ref = hf_reference_logits(hf_dir, tokens, weight_dtype)
+            if reference is not None:
+                reference[key] = ref
+        diff.fill_(float((logits - ref).abs().max()))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        diff = diff.to(device)
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return float(diff), tokens.numel()
+
+
 def verify_checkpoint(hf_dir: str | Path, ckpt: str | Path, *, tensor_model_parallel_size: int = 1,
                       pipeline_model_parallel_size: int = 1, tolerance: float = 1e-4) -> VerifyResult:
     """Run on every rank (torchrun) or in one process; every rank returns the same result."""
     from megatron_logra.model.arch import load_arch
-    from megatron_logra.model.logits import model_logits
     from megatron_logra.model.provider import ModelBuildConfig, build_gpt_model
     from megatron_logra.runtime.device import init_runtime
     from megatron_logra.runtime.parallel import ParallelConfig, initialize
@@ -89,19 +116,8 @@ def verify_checkpoint(hf_dir: str | Path, ckpt: str | Path, *, tensor_model_para
     initialize(layout, rt.world_size, seed=0)
     model = [build_gpt_model(arch, ModelBuildConfig(), seed=0)]
     load_model_weights(ckpt_dir, model, arch)
-    tokens = sample_tokens(hf_dir, arch.vocab_size)
-    logits = model_logits(model, tokens, arch.vocab_size)
-    reporter = (parallel_state.is_pipeline_last_stage()
-                and parallel_state.get_tensor_model_parallel_rank() == 0
-                and parallel_state.get_data_parallel_rank() == 0)
-    diff = torch.tensor(-1.0, dtype=torch.float64)
-    if reporter:
-        ref = hf_reference_logits(hf_dir, tokens, _stored_dtype(ckpt_dir))
-        diff.fill_(float((logits - ref).abs().max()))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        diff = diff.to(rt.device)
-        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-    return VerifyResult(float(diff), tolerance, tokens.numel(), tensor_model_parallel_size,
+    diff, tokens = logits_max_diff(model, arch, hf_dir, _stored_dtype(ckpt_dir), rt.device)
+    return VerifyResult(diff, tolerance, tokens, tensor_model_parallel_size,
                         pipeline_model_parallel_size)
 
 

@@ -34,6 +34,16 @@ _FAMILY_ARCH = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
 
+# The tiny variants the conversion tests cover: every supported feature at least once
+# (tied/untied heads, qkv bias, q/k norm, head_dim != hidden/heads, one kv head < TP).
+TINY_VARIANTS: dict[str, tuple[str, dict]] = {
+    "llama_tied": ("llama", {}),
+    "llama_untied_kv1": ("llama", {"tie_word_embeddings": False, "num_kv_heads": 1}),
+    "qwen2_tied": ("qwen2", {}),
+    "qwen2_untied": ("qwen2", {"tie_word_embeddings": False}),
+    "qwen3_hd48": ("qwen3", {"head_dim": 48, "tie_word_embeddings": False}),
+}
+
 
 def _byte_alphabet() -> list[str]:
     """GPT-2's reversible byte -> unicode map, in byte order (256 symbols)."""

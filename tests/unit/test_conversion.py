@@ -18,15 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoints_tools import hf_to_megatron, megatron_to_hf
+from megatron_logra.model.tiny_assets import TINY_VARIANTS as FAMILIES
 from megatron_logra.model.tiny_assets import write_tiny_hf_checkpoint
-
-FAMILIES = {
-    "llama_tied": ("llama", {}),
-    "llama_untied_kv1": ("llama", {"tie_word_embeddings": False, "num_kv_heads": 1}),
-    "qwen2_tied": ("qwen2", {}),
-    "qwen2_untied": ("qwen2", {"tie_word_embeddings": False}),
-    "qwen3_hd48": ("qwen3", {"head_dim": 48, "tie_word_embeddings": False}),
-}
 
 
 def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
