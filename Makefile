@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.megatron_logra-installed
 DEMO_DIR ?= runs/demo
 
-.PHONY: setup test test-fast demo lock clean-venv
+.PHONY: setup test test-fast demo bench lock clean-venv
 
 setup: $(STAMP)
 
@@ -20,7 +20,11 @@ test: setup
 	$(PY) -m pytest tests
 
 test-fast: setup
-	$(PY) -m pytest tests -m "not distributed"
+	$(PY) -m pytest tests -m "not distributed and not vllm"
+
+# Benchmarks print JSON figures (last line of each); see benchmarks/*.py for what they measure.
+bench: setup
+	$(PY) benchmarks/convert.py
 
 # Until the RL stage lands: a short SFT run of the embedded tiny Llama at TP=2 on CPU.
 demo: setup

@@ -106,6 +106,10 @@ class HFCheckpoint:
                 f"{arch.num_layers}, tie_word_embeddings={arch.tie_word_embeddings}); config.json "
                 f"and the weights disagree")
 
+    def names(self) -> list[str]:
+        """Every tensor name the folder holds."""
+        return list(self._where)
+
     @property
     def files(self) -> list[Path]:
         return sorted({f.path for f in self._where.values()})

@@ -101,12 +101,14 @@ def _count(n: int) -> None:
     BYTES_READ[0] += n
 
 
-def _read_exact(f, offset: int, length: int, path: Path) -> bytes:
+def _read_exact(f, offset: int, length: int, path: Path) -> bytearray:
+    """``length`` bytes at ``offset`` read straight into one buffer (no second copy)."""
     f.seek(offset)
-    data = f.read(length)
-    if len(data) != length:
+    data = bytearray(length)
+    got = f.readinto(data)
+    if got != length:
         raise CheckpointFormatError(f"{path}: truncated (wanted {length} bytes at {offset}, "
-                                    f"got {len(data)}); re-download or re-export the file")
+                                    f"got {got}); re-download or re-export the file")
     _count(length)
     return data
 
