@@ -33,6 +33,7 @@ class ModelBuildConfig:
     bf16: bool = False  # bf16 params (else fp32)
     recompute_activations: bool = False  # full activation recompute, one layer per chunk
     use_transformer_engine: bool | None = None  # None: TE spec when on CUDA and TE imports
+    sketch_targets: tuple[str, ...] = ()  # LoGRA: linears whose weight gradient is sketched
 
 
 def transformer_engine_available() -> bool:
@@ -88,6 +89,16 @@ def transformer_config(arch: ModelArch, build: ModelBuildConfig) -> TransformerC
 
 
 def layer_spec(arch: ModelArch, build: ModelBuildConfig):
+    if build.sketch_targets:  # LoGRA's sketched linears subclass the local (non-TE) layers
+        if build.use_transformer_engine:
+            raise ValueError("--optimizer logra uses megatron-core's local layer spec (its "
+                             "sketched linears subclass Column/RowParallelLinear); drop "
+                             "--transformer-engine")
+        from megatron_logra.logra.sketched_linear import sketched_layer_spec
+
+        return sketched_layer_spec(
+            get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm"),
+            build.sketch_targets)
     use_te = build.use_transformer_engine
     if use_te is None:
         use_te = transformer_engine_available()

@@ -1,0 +1,83 @@
+"""RowAdam and the low-rank step: pure tensor math, no process groups.
+
+For a sketched weight W (out x in) with sketch S = G A^T (out x r) and projection
+A (r x in) (../shared/notes/logra-method.md, section 2):
+
+    v_i  <- b2 v_i + (1 - b2) mean_j S_ij^2           one fp32 number per output row
+    rho_i = sqrt(v_i / (1 - b2^t))
+    D_ij  = S_ij / (rho_i + eps * mean_k rho_k)       eps relative to the layer's mean rho
+    W    <- W - c D A                                  applied in row chunks
+
+Under model parallelism a rank holds some rows of W (column-parallel) or a column
+slice (row-parallel); the callers reduce the partial sums these functions return
+(``rho_sum``, ``weight_sq_norm``, ``update_sq_norm``) over the right groups, so the
+math here is the same whatever the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_CHUNK_ROWS = 1024
+
+
+def update_row_moments(v: torch.Tensor, sketch: torch.Tensor, beta2: float) -> None:
+    """In place: v [out] <- b2 v + (1 - b2) mean_j S_ij^2, for S [out, r] (fp32)."""
+    v.mul_(beta2).add_(sketch.float().pow(2).mean(dim=1), alpha=1.0 - beta2)
+
+
+def row_scale(v: torch.Tensor, step: int, beta2: float) -> torch.Tensor:
+    """rho [out] = sqrt(v / (1 - b2^step)): the bias-corrected row RMS of the sketch."""
+    if step < 1:
+        raise ValueError(f"step {step}: RowAdam steps count from 1")
+    return (v / (1.0 - beta2 ** step)).sqrt()
+
+
+def direction(sketch: torch.Tensor, rho: torch.Tensor, mean_rho: float | torch.Tensor,
+              eps: float) -> torch.Tensor:
+    """D [out, r] = S / (rho + eps * mean_rho) (fp32). ``mean_rho`` is over ALL rows of the
+    layer (callers reduce it over tensor parallel ranks)."""
+    return sketch.float() / (rho + eps * mean_rho)[:, None]
+
+
+def update_sq_norm(d: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    """||D A||_F^2 without forming D A: sum((D (A A^T)) * D), D [out, r], A [r, in].
+
+    For a column slice A[:, c0:c1] it gives that slice's share, so summing over the slices
+    (tensor-parallel ranks of a row-parallel layer) gives the whole norm. fp64 scalar."""
+    gram = projection.double() @ projection.double().t()
+    return ((d.double() @ gram) * d.double()).sum()
+
+
+def norm_ratio_factor(update_ratio: float, weight_sq: float, update_sq: float) -> float:
+    """c = update_ratio * ||W|| / ||D A|| over all sketched layers (0 when there is no update)."""
+    if update_sq < 0 or weight_sq < 0:
+        raise ValueError(f"negative squared norms: ||W||^2 {weight_sq}, ||DA||^2 {update_sq}")
+    if update_sq == 0.0:
+        return 0.0
+    return update_ratio * (weight_sq ** 0.5) / (update_sq ** 0.5)
+
+
+def low_rank_product(d_rows: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    """(D A) for a block of rows, accumulated in fp64: [rows, r] x [r, in] -> fp32 [rows, in].
+
+    Each element is sum_k D_ik A_kj over the r sketch coordinates only, so it does not depend
+    on how the columns are split over ranks; with D rounded to bf16 and A = +-1/sqrt(r) every
+    product is exact in fp64, which makes the fp32 result reproducible across layouts."""
+    return (d_rows.double() @ projection.double()).float()
+
+
+def apply_low_rank_update(weight: torch.Tensor, d: torch.Tensor, projection: torch.Tensor,
+                          scale: float, *, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                          round_fn=None) -> None:
+    """In place: W [out, in] -= scale * D [out, r] @ A [r, in], ``chunk_rows`` rows at a time
+    (D A is never formed whole). ``round_fn(new_fp32, row0) -> weight dtype`` rounds each chunk
+    (default: round to nearest)."""
+    if d.shape[0] != weight.shape[0] or d.shape[1] != projection.shape[0] \
+            or projection.shape[1] != weight.shape[1]:
+        raise ValueError(f"shapes do not chain: W {tuple(weight.shape)}, D {tuple(d.shape)}, "
+                         f"A {tuple(projection.shape)}")
+    for r0 in range(0, weight.shape[0], chunk_rows):
+        rows = slice(r0, min(r0 + chunk_rows, weight.shape[0]))
+        new = weight[rows].float() - scale * low_rank_product(d[rows], projection)
+        weight[rows] = new.to(weight.dtype) if round_fn is None else round_fn(new, r0)

@@ -1,0 +1,114 @@
+"""Column/RowParallelLinear whose backward accumulates S += dY^T (X A^T), never G = dY^T X.
+
+The layers are megatron-core's, with one override: ``_forward_impl`` (the matmul
+megatron calls between its TP communication) runs ``_SketchedMatmul`` when the
+weight carries a ``logra_slot`` with a projection. Forward: Y = X W^T (+ b), and
+X A^T [N, r] is saved instead of X. Backward: dX = dY W (all-reduced over TP when
+megatron asks for it), S += dY^T (X A^T) in fp32, db = sum dY. The weight has
+``requires_grad=False``, so DDP gives it no grad buffer and autograd no ``.grad``.
+
+Tensor parallel: a column-parallel rank holds rows of W, so its S rows are the
+global S rows (local). A row-parallel rank holds columns c0:c1 of W and multiplies
+its input slice by A[:, c0:c1]; its S is a partial sum, reduced over the TP group
+once per update (``SketchSet.reduce``), which equals the TP=1 sketch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+@dataclass
+class SketchSlot:
+    """One sketched weight's LoGRA state on this rank (mutable: refreshed every update)."""
+
+    name: str  # canonical, layout-independent (global layer index), e.g. decoder.layers.3.mlp.linear_fc2.weight
+    parallel: str  # "column" (rows split over TP) | "row" (columns split over TP)
+    global_rows: torch.Tensor  # [out_local] canonical row index of each local row (int64)
+    col_offset: int  # global index of this rank's first input column
+    sketch: torch.Tensor  # [out_local, r] fp32 accumulator S
+    projection: torch.Tensor | None = None  # [r, in_local] this rank's columns of A
+
+
+class _SketchedMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, projection, sketch, allreduce_dgrad, tp_group):
+        """x [..., in_local], weight [out_local, in_local], projection [r, in_local]."""
+        out = torch.matmul(x, weight.t())
+        if bias is not None:
+            out = out + bias
+        xa = torch.matmul(x, projection.t().to(x.dtype)).float()  # [..., r]
+        ctx.save_for_backward(weight, xa)
+        ctx.sketch, ctx.has_bias = sketch, bias is not None
+        ctx.allreduce_dgrad, ctx.tp_group = allreduce_dgrad, tp_group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, xa = ctx.saved_tensors
+        grad_input = torch.matmul(grad_out, weight)
+        handle = None
+        if ctx.allreduce_dgrad:
+            handle = dist.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
+        dy = grad_out.reshape(-1, grad_out.shape[-1]).float()
+        ctx.sketch.addmm_(dy.t(), xa.reshape(-1, xa.shape[-1]))
+        grad_bias = dy.sum(0).to(grad_out.dtype) if ctx.has_bias else None
+        if handle is not None:
+            handle.wait()
+        return grad_input, None, grad_bias, None, None, None, None
+
+
+def sketched_forward(x, weight, bias, allreduce_dgrad, tp_group, fallback, **kwargs):
+    slot: SketchSlot | None = getattr(weight, "logra_slot", None)
+    if slot is None or slot.projection is None or not torch.is_grad_enabled():
+        return fallback(x, weight, bias=bias, allreduce_dgrad=allreduce_dgrad,
+                        tp_group=tp_group, **kwargs)
+    return _SketchedMatmul.apply(x, weight, bias, slot.projection, slot.sketch,
+                                 allreduce_dgrad, tp_group)
+
+
+class SketchedColumnParallelLinear(ColumnParallelLinear):
+    """ColumnParallelLinear (qkv, fc1) with a sketched weight gradient."""
+
+    logra_parallel = "column"
+
+    def _forward_impl(self, input, weight, *args, bias=None, allreduce_dgrad=False,
+                      tp_group=None, **kwargs):
+        return sketched_forward(input, weight, bias, allreduce_dgrad, tp_group,
+                                super()._forward_impl, **kwargs)
+
+
+class SketchedRowParallelLinear(RowParallelLinear):
+    """RowParallelLinear (attention proj, fc2) with a sketched weight gradient."""
+
+    logra_parallel = "row"
+
+    def _forward_impl(self, input, weight, *args, bias=None, allreduce_dgrad=False,
+                      tp_group=None, **kwargs):
+        return sketched_forward(input, weight, bias, allreduce_dgrad, tp_group,
+                                super()._forward_impl, **kwargs)
+
+
+SKETCHED_TYPES = (SketchedColumnParallelLinear, SketchedRowParallelLinear)
+TARGETS = ("qkv", "proj", "fc1", "fc2")
+
+
+def sketched_layer_spec(spec, targets: tuple[str, ...] = TARGETS):
+    """The local GPT layer spec with the chosen linears replaced by their sketched versions."""
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise ValueError(f"--logra-targets {unknown}: choose from {list(TARGETS)}")
+    attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    if "qkv" in targets:
+        attn.linear_qkv = SketchedColumnParallelLinear
+    if "proj" in targets:
+        attn.linear_proj = SketchedRowParallelLinear
+    if "fc1" in targets:
+        mlp.linear_fc1 = SketchedColumnParallelLinear
+    if "fc2" in targets:
+        mlp.linear_fc2 = SketchedRowParallelLinear
+    return spec

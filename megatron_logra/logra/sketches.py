@@ -1,0 +1,129 @@
+"""The sketched weights of this rank: slots, projections, and their reductions.
+
+``SketchSet`` finds the sketched linears of this rank's model chunks, gives each
+weight a canonical, layout-independent name (global layer index) and a
+``SketchSlot``, takes the weight out of autograd (``requires_grad=False``: DDP then
+allocates no grad buffer for it), and owns two flat fp32 buffers holding every
+sketch S (out_local x r): one for column-parallel weights (S rows are local) and
+one for row-parallel weights (S is a partial sum over TP ranks).
+
+Once per update, after megatron's own gradient finalisation:
+``reduce(num_tokens)`` sums the row-parallel buffer over TP, both buffers over
+DP (an out x r payload per weight instead of out x in), and divides by the
+global loss-token count, as megatron scales dense gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_logra.logra.projection import parameter_seed, projection_block
+from megatron_logra.logra.sketched_linear import SKETCHED_TYPES, SketchSlot
+
+
+@dataclass(frozen=True)
+class SketchConfig:
+    rank: int = 256
+    projection: str = "rademacher"  # rademacher | gaussian
+    refresh_interval: int = 1  # new A every N updates
+    seed: int = 0  # base seed of every projection
+
+
+def _canonical_rows(module, name: str, out_local: int, tp_rank: int, tp_size: int,
+                    gated: bool) -> torch.Tensor:
+    """Global (TP=1) row index of each local row. fc1 of a gated MLP holds [gate_t; up_t]."""
+    local = torch.arange(out_local, dtype=torch.int64)
+    if module.logra_parallel == "row":
+        return local
+    if gated and name.endswith("mlp.linear_fc1"):
+        half = out_local // 2
+        return torch.where(local < half, tp_rank * half + local,
+                           tp_size * half + tp_rank * half + (local - half))
+    return tp_rank * out_local + local
+
+
+class SketchSet:
+    """Every sketched weight of this rank, in a fixed order (by canonical name)."""
+
+    def __init__(self, chunks: list[torch.nn.Module], cfg: SketchConfig):
+        self.cfg = cfg
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        found = []
+        for chunk in chunks:
+            gated = bool(chunk.config.gated_linear_unit)
+            for layer in chunk.decoder.layers:
+                for name, module in layer.named_modules():
+                    if isinstance(module, SKETCHED_TYPES):
+                        canonical = f"decoder.layers.{layer.layer_number - 1}.{name}"
+                        found.append((canonical, module, gated))
+        found.sort(key=lambda item: item[0])
+        self.params: list[torch.nn.Parameter] = []
+        self.slots: list[SketchSlot] = []
+        sizes = {"column": 0, "row": 0}
+        for canonical, module, gated in found:
+            weight = module.weight
+            out_local, in_local = weight.shape
+            col_offset = tp_rank * in_local if module.logra_parallel == "row" else 0
+            rows = _canonical_rows(module, canonical, out_local, tp_rank, tp_size, gated)
+            weight.requires_grad_(False)
+            slot = SketchSlot(name=f"{canonical}.weight", parallel=module.logra_parallel,
+                              global_rows=rows, col_offset=col_offset,
+                              sketch=torch.empty(0))  # bound to a buffer view below
+            slot.offset = sizes[module.logra_parallel]
+            sizes[module.logra_parallel] += out_local * cfg.rank
+            weight.logra_slot = slot
+            self.params.append(weight)
+            self.slots.append(slot)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.buffers = {kind: torch.zeros(n, dtype=torch.float32, device=device)
+                        for kind, n in sizes.items()}
+        for weight, slot in zip(self.params, self.slots):
+            n = weight.shape[0] * cfg.rank
+            slot.sketch = self.buffers[slot.parallel][slot.offset:slot.offset + n].view(
+                weight.shape[0], cfg.rank)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def projection_update(self, update: int) -> int:
+        """The update index whose seed the projections of update ``update`` use."""
+        return (update // self.cfg.refresh_interval) * self.cfg.refresh_interval
+
+    def seed_of(self, slot: SketchSlot, update: int) -> int:
+        return parameter_seed(self.cfg.seed, self.projection_update(update), slot.name)
+
+    def refresh(self, update: int) -> None:
+        """Set every slot's projection A (its columns) for update ``update`` (0-based)."""
+        for weight, slot in zip(self.params, self.slots):
+            cols = (slot.col_offset, slot.col_offset + weight.shape[1])
+            slot.projection = projection_block(self.seed_of(slot, update), self.cfg.rank, cols,
+                                               kind=self.cfg.projection, device=weight.device,
+                                               dtype=torch.float32)
+
+    def zero(self) -> None:
+        for buffer in self.buffers.values():
+            buffer.zero_()
+
+    def reduce(self, num_tokens: torch.Tensor | None) -> None:
+        """TP-sum row-parallel sketches, DP-sum all, divide by the global token count
+        (``num_tokens`` as megatron's finalize_model_grads leaves it: already global)."""
+        if parallel_state.get_tensor_model_parallel_world_size() > 1 and self.buffers["row"].numel():
+            dist.all_reduce(self.buffers["row"], group=parallel_state.get_tensor_model_parallel_group())
+        if parallel_state.get_data_parallel_world_size() > 1:
+            group = parallel_state.get_data_parallel_group()
+            for buffer in self.buffers.values():
+                if buffer.numel():
+                    dist.all_reduce(buffer, group=group)
+        if num_tokens is not None:
+            count = float(num_tokens)
+            if count > 0:
+                for buffer in self.buffers.values():
+                    buffer.div_(count)
+
+    def sketch_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
