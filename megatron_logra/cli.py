@@ -14,6 +14,7 @@ from pathlib import Path
 from megatron_logra.config import (
     CheckpointConfig,
     DataConfig,
+    LograConfig,
     ModelSource,
     OptimizerConfig,
     RunConfig,
@@ -69,6 +70,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="global grad-norm clip; 0 disables clipping (it never zeroes grads)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state and fp32 master weights over data parallel")
+    g = p.add_argument_group("LoGRA (--optimizer logra)")
+    g.add_argument("--logra-rank", type=int, default=256, help="sketch rank r per weight")
+    g.add_argument("--logra-projection", choices=("rademacher", "gaussian"),
+                   default="rademacher", help="entries of the random projection A")
+    g.add_argument("--logra-refresh-interval", type=int, default=1,
+                   help="draw new projections every N updates")
+    g.add_argument("--logra-targets", default="qkv,proj,fc1,fc2",
+                   help="comma list of sketched linears: qkv, proj, fc1, fc2")
+    g.add_argument("--logra-beta2", type=float, default=0.95, help="RowAdam second-moment decay")
+    g.add_argument("--logra-eps", type=float, default=1e-8,
+                   help="RowAdam epsilon, relative to the layer's mean row scale")
+    g.add_argument("--logra-update-ratio", type=float, default=None,
+                   help="norm-ratio step: ||c D A|| = ratio * ||W|| over all sketched weights "
+                        "(default: the step is --lr)")
+    g.add_argument("--logra-master-weights", choices=("fp32", "none"), default="fp32",
+                   help="with --bf16: keep an fp32 master of sketched weights, or none "
+                        "(bf16 only, deterministic stochastic rounding)")
     g = p.add_argument_group("data")
     g.add_argument("--task", default="basic_arithmetic",
                    help="reasoning-gym tasks with optional weights: NAME[:WEIGHT],...")
@@ -165,6 +183,41 @@ def _check_hf_load(load: str, arch) -> None:
         raise ConfigError(f"--load: {exc}") from None
 
 
+def _logra_config(args, arch, parallel) -> LograConfig:
+    from megatron_logra.logra.sketched_linear import TARGETS
+
+    targets = tuple(t.strip() for t in args.logra_targets.split(",") if t.strip())
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not targets:
+        raise ConfigError(f"--logra-targets {args.logra_targets!r}: choose a comma list from "
+                          f"{','.join(TARGETS)} (embedding and output layer stay on dense Adam)")
+    if args.logra_rank < 1:
+        raise ConfigError(f"--logra-rank {args.logra_rank} must be >= 1 (the paper uses 256)")
+    if args.logra_refresh_interval < 1:
+        raise ConfigError(f"--logra-refresh-interval {args.logra_refresh_interval} must be >= 1")
+    if not 0.0 <= args.logra_beta2 < 1.0:
+        raise ConfigError(f"--logra-beta2 {args.logra_beta2} must be in [0, 1)")
+    if args.logra_eps < 0:
+        raise ConfigError(f"--logra-eps {args.logra_eps} must be >= 0")
+    if args.logra_update_ratio is not None and args.logra_update_ratio <= 0:
+        raise ConfigError(f"--logra-update-ratio {args.logra_update_ratio} must be > 0 "
+                          f"(the reference runs use 6e-5)")
+    if args.logra_master_weights == "none" and not args.bf16:
+        raise ConfigError("--logra-master-weights none keeps bf16 weights only: add --bf16 "
+                          "(fp32 parameters are their own master)")
+    tp = parallel.tensor_model_parallel_size
+    if "qkv" in targets and arch.num_kv_heads < tp:
+        raise ConfigError(f"LoGRA cannot sketch linear_qkv when num_key_value_heads "
+                          f"({arch.num_kv_heads}) < TP ({tp}): megatron replicates the kv heads "
+                          f"over TP ranks; use --tensor-model-parallel-size <= "
+                          f"{arch.num_kv_heads} or drop qkv from --logra-targets")
+    return LograConfig(rank=args.logra_rank, projection=args.logra_projection,
+                       refresh_interval=args.logra_refresh_interval, targets=targets,
+                       beta2=args.logra_beta2, eps=args.logra_eps,
+                       update_ratio=args.logra_update_ratio,
+                       master_weights=args.logra_master_weights)
+
+
 def parse_run_config(argv: list[str] | None = None, world_size: int | None = None) -> RunConfig:
     """Parse and validate; ``world_size`` defaults to torchrun's WORLD_SIZE (or 1)."""
     args = build_parser().parse_args(argv)
@@ -194,9 +247,7 @@ def parse_run_config(argv: list[str] | None = None, world_size: int | None = Non
     if args.seq_length > arch.max_position_embeddings:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds the model's "
                           f"max_position_embeddings={arch.max_position_embeddings}; use at most that")
-    if args.optimizer == "logra":
-        raise ConfigError("--optimizer logra is not available yet (it lands with the LoGRA "
-                          "optimizer issue); use --optimizer adam")
+    logra = _logra_config(args, arch, parallel) if args.optimizer == "logra" else LograConfig()
     if args.stage == "rl":
         raise ConfigError("--stage rl is not available yet (it lands with the RL issue); "
                           "use --stage sft")
@@ -209,7 +260,8 @@ def parse_run_config(argv: list[str] | None = None, world_size: int | None = Non
             lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
             lr_decay_iters=args.lr_decay_iters, adam_beta1=args.adam_beta1,
             adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, weight_decay=args.weight_decay,
-            clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer),
+            clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
+            logra=logra),
         training=TrainingConfig(
             stage=args.stage, micro_batch_size=args.micro_batch_size,
             global_batch_size=args.global_batch_size, seq_length=args.seq_length,

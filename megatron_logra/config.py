@@ -21,8 +21,22 @@ class ModelSource:
 
 
 @dataclass(frozen=True)
+class LograConfig:
+    """LoGRA's sketch and RowAdam settings (``--optimizer logra``)."""
+
+    rank: int = 256  # r: sketch columns per weight
+    projection: str = "rademacher"  # rademacher | gaussian
+    refresh_interval: int = 1  # new projections every N updates
+    targets: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
+    beta2: float = 0.95
+    eps: float = 1e-8  # relative to the layer's mean row scale
+    update_ratio: float | None = None  # norm-ratio step; None: --lr is the step size
+    master_weights: str = "fp32"  # with --bf16: fp32 master copy | none (stochastic rounding)
+
+
+@dataclass(frozen=True)
 class OptimizerConfig:
-    name: str = "adam"  # "adam" | "logra" (LoGRA lands in its own issue)
+    name: str = "adam"  # "adam" | "logra" (RowAdam on sketched weights, Adam on the rest)
     lr: float = 1e-4
     min_lr: float = 0.0
     lr_warmup_iters: int = 0
@@ -34,6 +48,7 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     clip_grad: float = 1.0  # 0 disables clipping (it never zeroes gradients)
     use_distributed_optimizer: bool = False
+    logra: LograConfig = field(default_factory=LograConfig)
 
 
 @dataclass(frozen=True)

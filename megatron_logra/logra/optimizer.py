@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_logra.logra import row_adam
-from megatron_logra.logra.rounding import stochastic_round_bf16
+from megatron_logra.logra.low_rank_apply import apply_bf16_update
 from megatron_logra.logra.sketches import SketchSet
 
 MASTER_MODES = ("fp32", "none")
@@ -171,18 +171,38 @@ class LograOptimizer:
                                            chunk_rows=cfg.chunk_rows)
             param.copy_(self.masters[i])
         elif param.dtype == torch.bfloat16 and cfg.master_weights == "none":
-            rows = slot.global_rows
-
-            def round_fn(new, r0):
-                return stochastic_round_bf16(new, seed, rows[r0:r0 + new.shape[0]], slot.col_offset)
-
-            row_adam.apply_low_rank_update(param.data, d, slot.projection, coefficient,
-                                           chunk_rows=cfg.chunk_rows, round_fn=round_fn)
+            apply_bf16_update(param.data, d, coefficient, seed, rank=self.sketches.cfg.rank,
+                              kind=self.sketches.cfg.projection, global_rows=slot.global_rows,
+                              col_offset=slot.col_offset, projection=slot.projection,
+                              chunk_rows=cfg.chunk_rows)
         else:
             row_adam.apply_low_rank_update(param.data, d, slot.projection, coefficient,
                                            chunk_rows=cfg.chunk_rows)
 
     # --- state ------------------------------------------------------------------------------
+    def reload_masters(self) -> None:
+        """Re-copy the fp32 masters from the weights (after weights were loaded underneath)."""
+        for param, master in zip(self.sketches.params, self.masters):
+            if master is not None:
+                master.copy_(param.detach().float())
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        """megatron's dense state + RowAdam's row states and masters as sharded tensors in the
+        canonical (TP=1) layout, so they reshard across TP/PP/DP like the weights."""
+        from megatron_logra.logra.state_sharding import logra_sharded_state
+
+        return {"dense": self.dense.sharded_state_dict(model_sharded_state_dict,
+                                                       is_loading=is_loading, **kwargs),
+                "logra": logra_sharded_state(self)}
+
+    def load_state_dict(self, state: dict) -> None:
+        from megatron_logra.logra.state_sharding import load_logra_state
+
+        self.dense.load_state_dict(state["dense"])
+        load_logra_state(self, state["logra"])
+        self.sketches.zero()
+        self.sketches.refresh(self.steps)
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the sketched weights (for the memory accounting)."""
         return {"sketches": self.sketches.sketch_bytes(),

@@ -51,6 +51,7 @@ class SketchSet:
 
     def __init__(self, chunks: list[torch.nn.Module], cfg: SketchConfig):
         self.cfg = cfg
+        self.gated = any(bool(c.config.gated_linear_unit) for c in chunks)
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         found = []

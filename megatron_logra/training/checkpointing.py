@@ -61,7 +61,9 @@ def read_meta(ckpt_dir: str | os.PathLike) -> dict:
 
 
 def _megatron_optimizers(optimizer) -> list:
-    """The megatron optimizers inside a ChainedOptimizer (or the optimizer itself)."""
+    """The megatron optimizers inside a ChainedOptimizer (or the optimizer itself); LoGRA's
+    optimizer contributes the dense one it wraps."""
+    optimizer = getattr(optimizer, "dense", optimizer)
     return getattr(optimizer, "chained_optimizers", None) or [optimizer]
 
 
@@ -209,6 +211,9 @@ def _materialize_optimizer_state(optimizer) -> None:
 
 def reload_main_params(optimizer) -> None:
     """Refresh the optimizer's fp32 main copies after the model weights changed underneath."""
+    reload_masters = getattr(optimizer, "reload_masters", None)
+    if reload_masters is not None:
+        reload_masters()
     for opt in _megatron_optimizers(optimizer):
         reload = getattr(opt, "reload_model_params", None)
         if reload is not None:

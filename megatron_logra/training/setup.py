@@ -1,8 +1,16 @@
-"""Model -> megatron DDP -> megatron optimizer -> LR scheduler, for dense Adam."""
+"""Model -> megatron DDP -> megatron optimizer -> LR scheduler (dense Adam or LoGRA).
+
+LoGRA: the model is built with the sketched layer spec, the ``SketchSet`` takes the
+sketched weights out of autograd *before* DDP is built (so DDP allocates no grad
+buffer for them), megatron's optimizer is built for what still requires grad, and
+``LograOptimizer`` wraps it. Megatron's ``finalize_model_grads`` is followed by the
+sketches' TP/DP reduction and per-token scaling.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -12,6 +20,8 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_logra.config import OptimizerConfig
+from megatron_logra.logra.optimizer import LograOptimizer, RowAdamConfig
+from megatron_logra.logra.sketches import SketchConfig, SketchSet
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.provider import ModelBuildConfig, build_gpt_model
 from megatron_logra.patches import apply_all as apply_megatron_patches
@@ -38,7 +48,9 @@ def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool) -> Distrib
 
 
 def build_optimizer(model: list[DistributedDataParallel], cfg: OptimizerConfig, bf16: bool):
-    if cfg.name != "adam":
+    """megatron's Adam over every parameter that requires grad (all of them for dense Adam;
+    the unsketched ones under LoGRA)."""
+    if cfg.name not in ("adam", "logra"):
         raise ValueError(f"optimizer {cfg.name!r} is not built here")
     mcfg = McoreOptimizerConfig(
         optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
@@ -60,14 +72,33 @@ def build_scheduler(optimizer, cfg: OptimizerConfig, train_iters: int) -> Optimi
         use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
 
 
+def _finalize_with_sketches(sketches, model, num_tokens, **kwargs):
+    finalize_model_grads(model, num_tokens, **kwargs)  # leaves num_tokens global, in place
+    sketches.reduce(num_tokens)
+
+
 def build_training_objects(arch: ModelArch, build: ModelBuildConfig, opt: OptimizerConfig,
                            *, seed: int, train_iters: int) -> TrainingObjects:
     apply_megatron_patches()
+    logra = opt.name == "logra"
+    if logra:
+        build = replace(build, sketch_targets=opt.logra.targets, use_transformer_engine=False)
     gpt = build_gpt_model(arch, build, seed)
+    sketches = None
+    if logra:
+        sketches = SketchSet([gpt], SketchConfig(rank=opt.logra.rank,
+                                                 projection=opt.logra.projection,
+                                                 refresh_interval=opt.logra.refresh_interval,
+                                                 seed=seed))
     ddp = wrap_ddp(gpt, opt.use_distributed_optimizer)
     optimizer = build_optimizer([ddp], opt, build.bf16)
     config = gpt.config
     config.finalize_model_grads_func = finalize_model_grads
+    if logra:
+        optimizer = LograOptimizer(optimizer, sketches, RowAdamConfig(
+            beta2=opt.logra.beta2, eps=opt.logra.eps, update_ratio=opt.logra.update_ratio,
+            master_weights=opt.logra.master_weights))
+        config.finalize_model_grads_func = partial(_finalize_with_sketches, sketches)
     config.no_sync_func = ddp.no_sync
     config.grad_scale_func = optimizer.scale_loss
     scheduler = build_scheduler(optimizer, opt, train_iters)

@@ -1,0 +1,141 @@
+"""Sketched layers and the LoGRA step in one process (TP1) against dense references.
+
+The same tiny model (same seed) is built twice: with megatron's dense layers and
+Adam, and with the sketched layers and LoGRA. On one batch:
+* each sketch S equals G A^T with G the dense weight gradient (fp32, rtol 1e-5);
+* sketched weights get no gradient anywhere: no .grad, no DDP buffer, no main_grad;
+* one LoGRA update equals W - lr D A (the scheduler's lr) with D from a textbook RowAdam on G A^T, and
+  the unsketched parameters follow torch.optim.Adam (Adam's first step) as before.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_logra.config import LograConfig, OptimizerConfig
+from megatron_logra.logra.projection import parameter_seed, projection_block
+from megatron_logra.model.arch import load_arch
+from megatron_logra.model.logits import causal_inputs
+from megatron_logra.model.provider import ModelBuildConfig, unwrap
+from megatron_logra.model.tiny_assets import write_tiny_model_dir
+from megatron_logra.runtime.device import init_runtime
+from megatron_logra.runtime.parallel import ParallelConfig, initialize
+from megatron_logra.training.setup import build_training_objects
+from megatron_logra.training.step import forward_backward
+
+RANK = 8
+SEED = 5
+LR = 1e-3
+
+
+def _batch(vocab: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(2):
+        tokens = torch.randint(0, vocab, (2, 32), generator=g)
+        mb = causal_inputs(tokens)
+        mb["labels"] = torch.roll(tokens, -1, dims=1)
+        mb["loss_mask"] = (torch.rand(2, 32, generator=g) > 0.3).float()
+        out.append(mb)
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    init_runtime()
+    initialize(ParallelConfig(), 1, seed=SEED)
+    model_dir = write_tiny_model_dir(tmp_path_factory.mktemp("tiny"), "qwen2")  # qkv bias too
+    arch = load_arch(model_dir)
+    build = ModelBuildConfig()
+    dense = build_training_objects(arch, build, OptimizerConfig(name="adam", lr=LR, clip_grad=0.0),
+                                   seed=SEED, train_iters=10)
+    logra_cfg = OptimizerConfig(name="logra", lr=LR, clip_grad=0.0,
+                                logra=LograConfig(rank=RANK, eps=1e-8))
+    sketched = build_training_objects(arch, build, logra_cfg, seed=SEED, train_iters=10)
+    batch = _batch(arch.vocab_size)
+    kw = dict(seq_length=32, micro_batch_size=2, vocab_size=arch.vocab_size)
+    for objs in (dense, sketched):
+        objs.optimizer.zero_grad()
+    forward_backward(dense.model, batch, **kw)
+    forward_backward(sketched.model, batch, **kw)
+    return arch, dense, sketched
+
+
+def _named(objs) -> dict[str, torch.nn.Parameter]:
+    return dict(unwrap(objs.model[0]).named_parameters())
+
+
+def test_every_sketch_equals_the_dense_gradient_times_a_transposed(setup):
+    _, dense, sketched = setup
+    dense_params = _named(dense)
+    slots = sketched.optimizer.sketches.slots
+    assert len(slots) == 4 * 4  # qkv, proj, fc1, fc2 per layer (tiny: 4 layers)
+    for slot in slots:
+        grad = dense_params[slot.name].main_grad.float()
+        a = projection_block(parameter_seed(SEED, 0, slot.name), RANK, (0, grad.shape[1]))
+        want = grad @ a.t()
+        err = float((slot.sketch - want).abs().max()) / float(want.abs().max())
+        assert err <= 1e-5, (slot.name, err)  # measured ~1e-7: fp32 summation order
+        assert float(want.abs().max()) > 0
+
+
+def test_sketched_weights_get_no_dense_gradient_anywhere(setup):
+    _, dense, sketched = setup
+    ddp = sketched.model[0]
+    buffer_params = {id(p) for buf in ddp.buffers for p in buf.params}
+    for weight in sketched.optimizer.sketches.params:
+        assert not weight.requires_grad and weight.grad is None
+        assert getattr(weight, "main_grad", None) is None and id(weight) not in buffer_params
+    grad_elems = sum(buf.grad_data.numel() for buf in ddp.buffers)
+    sketched_elems = sum(p.numel() for p in sketched.optimizer.sketches.params)
+    dense_elems = sum(buf.grad_data.numel() for buf in dense.model[0].buffers)
+    assert grad_elems == dense_elems - sketched_elems
+
+
+def test_one_logra_update_equals_the_reference(setup):
+    _, dense, sketched = setup
+    before = {n: p.detach().clone() for n, p in _named(sketched).items()}
+    dense_params = _named(dense)
+    lr = sketched.optimizer.param_groups[0]["lr"]
+    assert lr == dense.optimizer.param_groups[0]["lr"] and 0 < lr <= LR
+    ok, _, _ = sketched.optimizer.step()
+    assert ok
+    after = _named(sketched)
+    beta2, eps = 0.95, 1e-8
+    for slot in sketched.optimizer.sketches.slots:
+        grad = dense_params[slot.name].main_grad.double()
+        a = projection_block(parameter_seed(SEED, 0, slot.name), RANK, (0, grad.shape[1])).double()
+        s = grad @ a.t()
+        rho = [math.sqrt((1 - beta2) * float((s[i] ** 2).mean()) / (1 - beta2)) for i in range(len(s))]
+        mean = sum(rho) / len(rho)
+        d = s / (torch.tensor(rho, dtype=torch.float64)[:, None] + eps * mean)
+        want = before[slot.name].double() - lr * (d @ a)
+        assert torch.allclose(after[slot.name].double(), want, rtol=0, atol=1e-6), slot.name
+        assert float((after[slot.name] - before[slot.name]).abs().max()) > 1e-5
+    # unsketched params: Adam's first step moves each element by lr * sign(g) (eps aside)
+    for name, p in after.items():
+        if not p.requires_grad:
+            continue
+        g = dense_params[name].main_grad
+        expect = before[name] - lr * g / (g.abs() + 1e-8)
+        assert torch.allclose(p, expect, atol=1e-6), name
+    # the next update uses fresh projections, and the sketches start from zero
+    slot = sketched.optimizer.sketches.slots[0]
+    fresh = projection_block(parameter_seed(SEED, 1, slot.name), RANK, (0, slot.projection.shape[1]))
+    assert torch.equal(slot.projection, fresh) and float(slot.sketch.abs().max()) == 0.0
+
+
+def test_targets_and_refresh_interval(setup):
+    arch, _, _ = setup
+    cfg = OptimizerConfig(name="logra", lr=LR, logra=LograConfig(rank=4, targets=("fc2",),
+                                                                 refresh_interval=3))
+    objs = build_training_objects(arch, ModelBuildConfig(), cfg, seed=SEED, train_iters=4)
+    sketches = objs.optimizer.sketches
+    assert [s.name.split(".")[-2] for s in sketches.slots] == ["linear_fc2"] * 4
+    assert [sketches.projection_update(u) for u in range(7)] == [0, 0, 0, 3, 3, 3, 6]
+    requires = {n for n, p in _named(objs).items() if p.requires_grad}
+    assert "decoder.layers.0.self_attention.linear_qkv.weight" in requires
+    assert "decoder.layers.0.mlp.linear_fc2.weight" not in requires
