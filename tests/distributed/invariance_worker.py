@@ -2,7 +2,9 @@
 
     torchrun --standalone --nproc-per-node W tests/distributed/invariance_worker.py PLAN.json
 
-PLAN.json: {"out": DIR, "runs": [{"name": ..., "argv": [...]} ...]}. Each run is a
+PLAN.json: {"out": DIR, "runs": [{"name": ..., "argv": [...]} ...]}. A run
+{"name", "sketch_check": [TP, PP]} instead compares LoGRA's sketches with the dense
+G A^T at that layout (``sketch_check.py``) and writes DIR/NAME.json. Each run is a
 normal launcher command line executed in-process (megatron's process groups are
 rebuilt per run); rank 0 writes DIR/NAME.pt = {"losses", "grad_norms", "weights"}
 with the weights gathered to full TP=1 tensors by canonical name.
@@ -30,6 +32,14 @@ def main() -> None:
     rt = init_runtime()
     out = Path(plan["out"])
     for run in plan["runs"]:
+        if "sketch_check" in run:  # {"name", "sketch_check": [tp, pp]}
+            from sketch_check import sketch_vs_dense
+
+            report = sketch_vs_dense(*run["sketch_check"], rt.world_size)
+            if rt.rank == 0:
+                (out / f"{run['name']}.json").write_text(json.dumps(report))
+                print(f"[worker] {run['name']}: {report}", flush=True)
+            continue
         cfg = parse_run_config(run["argv"], world_size=rt.world_size)
         result = run_sft(cfg)
         weights = gather_full_state_dict(result.objects.model[0], result.objects.arch)
