@@ -114,7 +114,8 @@ def run(spec: dict) -> dict:
     name, master = VARIANTS[spec["variant"]]
     opt = OptimizerConfig(name=name, lr=1e-5, use_distributed_optimizer=True,
                           logra=LograConfig(rank=spec["rank"], master_weights=master or "fp32",
-                                            update_ratio=6e-5))
+                                            update_ratio=6e-5,
+                                            targets=tuple(spec["targets"].split(","))))
     build = ModelBuildConfig(bf16=True, recompute_activations=spec.get("recompute", False))
     objs = build_training_objects(arch, build, opt, seed=0, train_iters=spec["steps"] + 1)
     g = torch.Generator().manual_seed(0)

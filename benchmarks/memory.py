@@ -32,6 +32,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--recompute", action="store_true", help="full activation recompute")
+    p.add_argument("--targets", default="qkv,proj,fc1,fc2,embedding",
+                   help="LoGRA's sketched weights (--logra-targets)")
     return p.parse_args(argv)
 
 
@@ -39,7 +41,8 @@ def main(argv=None) -> None:
     args = parse(argv)
     spec = {"shape": args.shape, "device": args.device, "rank": args.rank,
             "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
-            "microbatches": args.microbatches, "steps": args.steps, "recompute": args.recompute}
+            "microbatches": args.microbatches, "steps": args.steps, "recompute": args.recompute,
+            "targets": args.targets}
     runs = {}
     for variant in VARIANTS:
         runs[variant] = measure(dict(spec, variant=variant))

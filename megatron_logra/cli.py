@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logra-refresh-interval", type=int, default=1,
                    help="draw new projections every N updates")
     g.add_argument("--logra-targets", default="qkv,proj,fc1,fc2",
-                   help="comma list of sketched linears: qkv, proj, fc1, fc2")
+                   help="comma list of sketched weights: qkv, proj, fc1, fc2, embedding, output "
+                        "(a tied embedding/output matrix is sketched for both uses)")
     g.add_argument("--logra-beta2", type=float, default=0.95, help="RowAdam second-moment decay")
     g.add_argument("--logra-eps", type=float, default=1e-8,
                    help="RowAdam epsilon, relative to the layer's mean row scale")
@@ -190,7 +191,7 @@ def _logra_config(args, arch, parallel) -> LograConfig:
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not targets:
         raise ConfigError(f"--logra-targets {args.logra_targets!r}: choose a comma list from "
-                          f"{','.join(TARGETS)} (embedding and output layer stay on dense Adam)")
+                          f"{','.join(TARGETS)}")
     if args.logra_rank < 1:
         raise ConfigError(f"--logra-rank {args.logra_rank} must be >= 1 (the paper uses 256)")
     if args.logra_refresh_interval < 1:

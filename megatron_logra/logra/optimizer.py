@@ -143,8 +143,11 @@ class LograOptimizer:
         sr_mode = cfg.master_weights == "none"
         if sr_mode:  # the payload a receiver gets; the update is computed from exactly this
             ds = [d.to(torch.bfloat16).float() for d in ds]
-        weight_sq = sum(float(p.double().pow(2).sum()) for p in sk.params)
-        update_sq = sum(float(row_adam.update_sq_norm(d, s.projection)) for d, s in zip(ds, sk.slots))
+        # a tied embedding's last-stage copy is the same matrix: count it once
+        weight_sq = sum(float(p.double().pow(2).sum())
+                        for p, s in zip(sk.params, sk.slots) if not s.duplicate)
+        update_sq = sum(float(row_adam.update_sq_norm(d, s.projection))
+                        for d, s in zip(ds, sk.slots) if not s.duplicate)
         weight_sq, update_sq = self._model_parallel_sum([weight_sq, update_sq])
         if cfg.update_ratio is not None:
             c = row_adam.norm_ratio_factor(cfg.update_ratio, weight_sq, update_sq)
@@ -168,16 +171,16 @@ class LograOptimizer:
         cfg = self.cfg
         if self.masters[i] is not None:
             row_adam.apply_low_rank_update(self.masters[i], d, slot.projection, coefficient,
-                                           chunk_rows=cfg.chunk_rows)
+                                           chunk_rows=cfg.chunk_rows, exact=False)
             param.copy_(self.masters[i])
         elif param.dtype == torch.bfloat16 and cfg.master_weights == "none":
             apply_bf16_update(param.data, d, coefficient, seed, rank=self.sketches.cfg.rank,
                               kind=self.sketches.cfg.projection, global_rows=slot.global_rows,
                               col_offset=slot.col_offset, projection=slot.projection,
                               chunk_rows=cfg.chunk_rows)
-        else:
+        else:  # fp32 params (and bf16 with round-to-nearest, if ever asked for)
             row_adam.apply_low_rank_update(param.data, d, slot.projection, coefficient,
-                                           chunk_rows=cfg.chunk_rows)
+                                           chunk_rows=cfg.chunk_rows, exact=False)
 
     # --- state ------------------------------------------------------------------------------
     def reload_masters(self) -> None:

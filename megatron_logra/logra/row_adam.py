@@ -58,26 +58,30 @@ def norm_ratio_factor(update_ratio: float, weight_sq: float, update_sq: float) -
     return update_ratio * (weight_sq ** 0.5) / (update_sq ** 0.5)
 
 
-def low_rank_product(d_rows: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
-    """(D A) for a block of rows, accumulated in fp64: [rows, r] x [r, in] -> fp32 [rows, in].
+def low_rank_product(d_rows: torch.Tensor, projection: torch.Tensor,
+                     exact: bool = True) -> torch.Tensor:
+    """(D A) for a block of rows: [rows, r] x [r, in] -> fp32 [rows, in].
 
-    Each element is sum_k D_ik A_kj over the r sketch coordinates only, so it does not depend
-    on how the columns are split over ranks; with D rounded to bf16 and A = +-1/sqrt(r) every
-    product is exact in fp64, which makes the fp32 result reproducible across layouts."""
-    return (d_rows.double() @ projection.double()).float()
+    ``exact``: accumulated in fp64. Each element is sum_k D_ik A_kj over the r sketch
+    coordinates only, so it does not depend on how the columns are split over ranks; with D
+    rounded to bf16 and A = +-1/sqrt(r) every product is exact in fp64, which makes the fp32
+    result reproducible across layouts and devices. Otherwise a plain fp32 GEMM (faster)."""
+    if exact:
+        return (d_rows.double() @ projection.double()).float()
+    return d_rows.float() @ projection.float()
 
 
 def apply_low_rank_update(weight: torch.Tensor, d: torch.Tensor, projection: torch.Tensor,
                           scale: float, *, chunk_rows: int = DEFAULT_CHUNK_ROWS,
-                          round_fn=None) -> None:
+                          round_fn=None, exact: bool = True) -> None:
     """In place: W [out, in] -= scale * D [out, r] @ A [r, in], ``chunk_rows`` rows at a time
     (D A is never formed whole). ``round_fn(new_fp32, row0) -> weight dtype`` rounds each chunk
-    (default: round to nearest)."""
+    (default: round to nearest); ``exact`` as in ``low_rank_product``."""
     if d.shape[0] != weight.shape[0] or d.shape[1] != projection.shape[0] \
             or projection.shape[1] != weight.shape[1]:
         raise ValueError(f"shapes do not chain: W {tuple(weight.shape)}, D {tuple(d.shape)}, "
                          f"A {tuple(projection.shape)}")
     for r0 in range(0, weight.shape[0], chunk_rows):
         rows = slice(r0, min(r0 + chunk_rows, weight.shape[0]))
-        new = weight[rows].float() - scale * low_rank_product(d[rows], projection)
+        new = weight[rows].float() - scale * low_rank_product(d[rows], projection, exact)
         weight[rows] = new.to(weight.dtype) if round_fn is None else round_fn(new, r0)

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 
 @dataclass
@@ -32,6 +38,7 @@ class SketchSlot:
     col_offset: int  # global index of this rank's first input column
     sketch: torch.Tensor  # [out_local, r] fp32 accumulator S
     projection: torch.Tensor | None = None  # [r, in_local] this rank's columns of A
+    duplicate: bool = False  # the last stage's copy of a tied embedding (PP > 1)
 
 
 class _SketchedMatmul(torch.autograd.Function):
@@ -60,6 +67,53 @@ class _SketchedMatmul(torch.autograd.Function):
         if handle is not None:
             handle.wait()
         return grad_input, None, grad_bias, None, None, None, None
+
+
+class _SketchedLookup(torch.autograd.Function):
+    """Embedding lookup whose backward adds dY A^T into the rows of the looked-up ids:
+    S = G A^T with G = sum_t e_{id_t} dY_t^T, never forming G (V x hidden)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, projection, sketch, mask, anchor):
+        """ids [b, s] local row ids, weight [V_local, h], mask [b, s] (True: another rank's id)."""
+        out = F.embedding(ids, weight)
+        if mask is not None:
+            out = out.masked_fill(mask[..., None], 0.0)
+        ctx.save_for_backward(ids, projection, mask if mask is not None else ids.new_empty(0))
+        ctx.sketch, ctx.has_mask = sketch, mask is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ids, projection, mask = ctx.saved_tensors
+        dya = grad_out.reshape(-1, grad_out.shape[-1]).float() @ projection.t().float()
+        if ctx.has_mask:
+            dya = dya.masked_fill(mask.reshape(-1, 1), 0.0)
+        ctx.sketch.index_add_(0, ids.reshape(-1), dya)
+        return None, None, None, None, None, None
+
+
+class SketchedVocabParallelEmbedding(VocabParallelEmbedding):
+    """VocabParallelEmbedding with a sketched weight gradient (no sequence parallel)."""
+
+    logra_parallel = "column"  # vocab rows are split over TP
+
+    def forward(self, input_):
+        slot: SketchSlot | None = getattr(self.weight, "logra_slot", None)
+        if slot is None or slot.projection is None or not torch.is_grad_enabled():
+            return super().forward(input_)
+        if self.reduce_scatter_embeddings:
+            raise NotImplementedError("LoGRA's sketched embedding does not support sequence "
+                                      "parallel")
+        mask = None
+        if self.tp_group.size() > 1:
+            mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            input_ = (input_ - self.vocab_start_index).masked_fill(mask, 0)
+        if not hasattr(self, "_logra_anchor"):  # makes autograd call the backward (ids and
+            self._logra_anchor = torch.zeros((), requires_grad=True)  # weight need no grad)
+        out = _SketchedLookup.apply(input_, self.weight, slot.projection, slot.sketch, mask,
+                                    self._logra_anchor)
+        return reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
 
 
 def sketched_forward(x, weight, bias, allreduce_dgrad, tp_group, fallback, **kwargs):
@@ -94,7 +148,22 @@ class SketchedRowParallelLinear(RowParallelLinear):
 
 
 SKETCHED_TYPES = (SketchedColumnParallelLinear, SketchedRowParallelLinear)
-TARGETS = ("qkv", "proj", "fc1", "fc2")
+LAYER_TARGETS = ("qkv", "proj", "fc1", "fc2")
+TARGETS = LAYER_TARGETS + ("embedding", "output")
+"""``embedding``/``output``: the word embedding and the output layer; when they are tied
+(one matrix) either target sketches both uses."""
+
+
+def sketch_embedding_and_output(model, targets: tuple[str, ...]) -> None:
+    """Swap the classes of ``model``'s embedding / output layer for their sketched versions
+    (built outside the layer spec; the subclasses add no state, so the swap is safe)."""
+    tied = model.share_embeddings_and_output_weights
+    want_emb = "embedding" in targets or (tied and "output" in targets)
+    want_out = "output" in targets or (tied and "embedding" in targets)
+    if want_emb and model.pre_process:
+        model.embedding.word_embeddings.__class__ = SketchedVocabParallelEmbedding
+    if want_out and model.post_process:
+        model.output_layer.__class__ = SketchedColumnParallelLinear
 
 
 def sketched_layer_spec(spec, targets: tuple[str, ...] = TARGETS):
@@ -102,6 +171,7 @@ def sketched_layer_spec(spec, targets: tuple[str, ...] = TARGETS):
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown:
         raise ValueError(f"--logra-targets {unknown}: choose from {list(TARGETS)}")
+    targets = tuple(t for t in targets if t in LAYER_TARGETS)
     attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
     if "qkv" in targets:
         attn.linear_qkv = SketchedColumnParallelLinear

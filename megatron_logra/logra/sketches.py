@@ -22,7 +22,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_logra.logra.projection import parameter_seed, projection_block
-from megatron_logra.logra.sketched_linear import SKETCHED_TYPES, SketchSlot
+from megatron_logra.logra.sketched_linear import (
+    SKETCHED_TYPES,
+    SketchedColumnParallelLinear,
+    SketchedVocabParallelEmbedding,
+    SketchSlot,
+)
+
+EMBEDDING = "embedding.word_embeddings.weight"
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,22 @@ def _canonical_rows(module, name: str, out_local: int, tp_rank: int, tp_size: in
     return tp_rank * out_local + local
 
 
+def _embedding_and_output(chunk) -> list[tuple[str, torch.nn.Module, bool, bool]]:
+    """(canonical name, module, gated, duplicate) of a chunk's sketched embedding / output
+    layer. A tied output layer on a later stage than the embedding holds its own copy of the
+    embedding matrix: same name (same projections), marked duplicate (counted once in norms)."""
+    out = []
+    if chunk.pre_process and isinstance(chunk.embedding.word_embeddings,
+                                        SketchedVocabParallelEmbedding):
+        out.append((EMBEDDING, chunk.embedding.word_embeddings, False, False))
+    if chunk.post_process and isinstance(chunk.output_layer, SketchedColumnParallelLinear):
+        if not chunk.share_embeddings_and_output_weights:
+            out.append(("output_layer.weight", chunk.output_layer, False, False))
+        elif not chunk.pre_process:
+            out.append((EMBEDDING, chunk.output_layer, False, True))
+    return out
+
+
 class SketchSet:
     """Every sketched weight of this rank, in a fixed order (by canonical name)."""
 
@@ -60,23 +83,29 @@ class SketchSet:
             for layer in chunk.decoder.layers:
                 for name, module in layer.named_modules():
                     if isinstance(module, SKETCHED_TYPES):
-                        canonical = f"decoder.layers.{layer.layer_number - 1}.{name}"
-                        found.append((canonical, module, gated))
+                        canonical = f"decoder.layers.{layer.layer_number - 1}.{name}.weight"
+                        found.append((canonical, module, gated, False))
+            found += _embedding_and_output(chunk)
         found.sort(key=lambda item: item[0])
+        tied_over_pp = (parallel_state.get_pipeline_model_parallel_world_size() > 1
+                        and any(c.share_embeddings_and_output_weights for c in chunks))
         self.params: list[torch.nn.Parameter] = []
         self.slots: list[SketchSlot] = []
-        sizes = {"column": 0, "row": 0}
-        for canonical, module, gated in found:
+        sizes = {"column": 0, "row": 0, "tied": 0}
+        for canonical, module, gated, duplicate in found:
             weight = module.weight
             out_local, in_local = weight.shape
             col_offset = tp_rank * in_local if module.logra_parallel == "row" else 0
             rows = _canonical_rows(module, canonical, out_local, tp_rank, tp_size, gated)
             weight.requires_grad_(False)
-            slot = SketchSlot(name=f"{canonical}.weight", parallel=module.logra_parallel,
+            slot = SketchSlot(name=canonical, parallel=module.logra_parallel,
                               global_rows=rows, col_offset=col_offset,
-                              sketch=torch.empty(0))  # bound to a buffer view below
-            slot.offset = sizes[module.logra_parallel]
-            sizes[module.logra_parallel] += out_local * cfg.rank
+                              sketch=torch.empty(0),  # bound to a buffer view below
+                              duplicate=duplicate)
+            # a tied embedding split over first and last stage is summed over both
+            slot.buffer = "tied" if canonical == EMBEDDING and tied_over_pp else slot.parallel
+            slot.offset = sizes[slot.buffer]
+            sizes[slot.buffer] += out_local * cfg.rank
             weight.logra_slot = slot
             self.params.append(weight)
             self.slots.append(slot)
@@ -85,7 +114,7 @@ class SketchSet:
                         for kind, n in sizes.items()}
         for weight, slot in zip(self.params, self.slots):
             n = weight.shape[0] * cfg.rank
-            slot.sketch = self.buffers[slot.parallel][slot.offset:slot.offset + n].view(
+            slot.sketch = self.buffers[slot.buffer][slot.offset:slot.offset + n].view(
                 weight.shape[0], cfg.rank)
 
     def __len__(self) -> int:
@@ -98,20 +127,29 @@ class SketchSet:
     def seed_of(self, slot: SketchSlot, update: int) -> int:
         return parameter_seed(self.cfg.seed, self.projection_update(update), slot.name)
 
+    def _projection_dtype(self, weight: torch.Tensor) -> torch.dtype:
+        """The weight's dtype when it holds A exactly (Rademacher +-2^-k: r a power of 4),
+        else fp32. Halves A's memory in bf16 and spares a cast per forward."""
+        r = self.cfg.rank
+        exact = self.cfg.projection == "rademacher" and r & (r - 1) == 0 and \
+            (r.bit_length() - 1) % 2 == 0
+        return weight.dtype if exact else torch.float32
+
     def refresh(self, update: int) -> None:
         """Set every slot's projection A (its columns) for update ``update`` (0-based)."""
         for weight, slot in zip(self.params, self.slots):
             cols = (slot.col_offset, slot.col_offset + weight.shape[1])
             slot.projection = projection_block(self.seed_of(slot, update), self.cfg.rank, cols,
                                                kind=self.cfg.projection, device=weight.device,
-                                               dtype=torch.float32)
+                                               dtype=self._projection_dtype(weight))
 
     def zero(self) -> None:
         for buffer in self.buffers.values():
             buffer.zero_()
 
     def reduce(self, num_tokens: torch.Tensor | None) -> None:
-        """TP-sum row-parallel sketches, DP-sum all, divide by the global token count
+        """TP-sum row-parallel sketches, DP-sum all, sum a tied embedding's two copies over the
+        embedding group (first + last stage), divide by the global token count
         (``num_tokens`` as megatron's finalize_model_grads leaves it: already global)."""
         if parallel_state.get_tensor_model_parallel_world_size() > 1 and self.buffers["row"].numel():
             dist.all_reduce(self.buffers["row"], group=parallel_state.get_tensor_model_parallel_group())
@@ -120,6 +158,8 @@ class SketchSet:
             for buffer in self.buffers.values():
                 if buffer.numel():
                     dist.all_reduce(buffer, group=group)
+        if self.buffers["tied"].numel():
+            dist.all_reduce(self.buffers["tied"], group=parallel_state.get_embedding_group())
         if num_tokens is not None:
             count = float(num_tokens)
             if count > 0:

@@ -32,7 +32,7 @@ def _pieces(slot, tensor: torch.Tensor, gated_fc1: bool):
 
 def _replica_id(slot) -> tuple[int, int, int]:
     tp_replica = parallel_state.get_tensor_model_parallel_rank() if slot.parallel == "row" else 0
-    return (0, tp_replica, parallel_state.get_data_parallel_rank())
+    return (int(slot.duplicate), tp_replica, parallel_state.get_data_parallel_rank())
 
 
 def _entries(opt):
@@ -51,7 +51,7 @@ def logra_sharded_state(opt) -> dict:
             # v of a row-parallel weight is replicated over TP: the TP rank is a replica index
             is_v_row = slot.parallel == "row" and tensor.dim() == 1
             replica = _replica_id(slot) if is_v_row else (
-                0, 0, parallel_state.get_data_parallel_rank())
+                int(slot.duplicate), 0, parallel_state.get_data_parallel_rank())
             state[key + suffix] = ShardedTensor.from_rank_offsets(full, view, *offsets,
                                                                   replica_id=replica)
     return state

@@ -127,6 +127,10 @@ def _construct(arch: ModelArch, build: ModelBuildConfig) -> GPTModel:
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
     _mark_tensor_parallel_params(model)
+    if build.sketch_targets:
+        from megatron_logra.logra.sketched_linear import sketch_embedding_and_output
+
+        sketch_embedding_and_output(model, build.sketch_targets)
     return model
 
 

@@ -16,6 +16,7 @@ from megatron.core import parallel_state
 
 def sketch_vs_dense(tp: int, pp: int, world_size: int) -> dict:
     from megatron_logra.config import LograConfig, OptimizerConfig
+    from megatron_logra.logra.sketched_linear import TARGETS
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.logits import causal_inputs
     from megatron_logra.model.provider import ModelBuildConfig, unwrap
@@ -29,7 +30,7 @@ def sketch_vs_dense(tp: int, pp: int, world_size: int) -> dict:
     dense = build_training_objects(arch, ModelBuildConfig(), OptimizerConfig(name="adam"),
                                    seed=11, train_iters=2)
     sketched = build_training_objects(
-        arch, ModelBuildConfig(), OptimizerConfig(name="logra", logra=LograConfig(rank=16)),
+        arch, ModelBuildConfig(), OptimizerConfig(name="logra", logra=LograConfig(rank=16, targets=TARGETS)),
         seed=11, train_iters=2)
     g = torch.Generator().manual_seed(2)
     batch = []

@@ -19,6 +19,8 @@ EXPECTED_FLAGS = {
     "--recompute-activations", "--save", "--save-interval", "--seed", "--seq-length", "--stage",
     "--task", "--tensor-model-parallel-size", "--tokenizer-model", "--train-iters",
     "--use-distributed-optimizer", "--weight-decay", "-h", "--help",
+    "--logra-rank", "--logra-projection", "--logra-refresh-interval", "--logra-targets",
+    "--logra-beta2", "--logra-eps", "--logra-update-ratio", "--logra-master-weights",
 }
 
 
@@ -59,10 +61,35 @@ def test_valid_command_line_gives_frozen_config():
     (["--train-iters", "0"], 1, "--train-iters must be >= 1"),
     (["--min-lr", "1", "--lr", "0.1"], 1, "--min-lr"),
     (["--seq-length", "4096"], 1, "exceeds the model's max_position_embeddings=1024"),
+    (["--optimizer", "logra", "--logra-targets", "qkv,lm_head"], 1, "--logra-targets"),
+    (["--optimizer", "logra", "--logra-rank", "0"], 1, "--logra-rank 0 must be >= 1"),
+    (["--optimizer", "logra", "--logra-refresh-interval", "0"], 1, "refresh-interval 0"),
+    (["--optimizer", "logra", "--logra-beta2", "1.0"], 1, r"--logra-beta2 1.0 must be in \[0, 1\)"),
+    (["--optimizer", "logra", "--logra-update-ratio", "-1"], 1, "must be > 0"),
+    (["--optimizer", "logra", "--logra-master-weights", "none"], 1, "add --bf16"),
 ])
 def test_bad_command_lines_name_problem_and_fix(argv, world, match):
     with pytest.raises(ConfigError, match=match):
         parse_run_config(argv, world_size=world)
+
+
+def test_logra_flags_give_its_config():
+    cfg = parse_run_config(["--optimizer", "logra", "--logra-rank", "64", "--logra-targets",
+                            "fc1,fc2", "--logra-update-ratio", "6e-5", "--logra-projection",
+                            "gaussian", "--bf16", "--logra-master-weights", "none"], world_size=1)
+    lg = cfg.optimizer.logra
+    assert (lg.rank, lg.targets, lg.update_ratio, lg.projection, lg.master_weights) == (
+        64, ("fc1", "fc2"), 6e-5, "gaussian", "none")
+
+
+def test_logra_refuses_kv_heads_below_tp(tmp_path):
+    from megatron_logra.model.tiny_assets import write_tiny_model_dir
+
+    model = write_tiny_model_dir(tmp_path / "kv1", "llama", num_kv_heads=1)
+    argv = ["--model-dir", str(model), "--optimizer", "logra", "--tensor-model-parallel-size", "2"]
+    with pytest.raises(ConfigError, match=r"num_key_value_heads \(1\) < TP \(2\)"):
+        parse_run_config(argv, world_size=2)
+    parse_run_config(argv + ["--logra-targets", "proj,fc1,fc2"], world_size=2)
 
 
 def test_unsupported_model_is_refused_before_training(tmp_path):

@@ -1,5 +1,8 @@
 """Sketched layers and the LoGRA step in one process (TP1) against dense references.
 
+Every target is sketched: qkv (with bias), proj, fc1, fc2 and the tied embedding
+matrix, whose sketch sums its lookup and output-layer uses.
+
 The same tiny model (same seed) is built twice: with megatron's dense layers and
 Adam, and with the sketched layers and LoGRA. On one batch:
 * each sketch S equals G A^T with G the dense weight gradient (fp32, rtol 1e-5);
@@ -17,6 +20,7 @@ import torch
 
 from megatron_logra.config import LograConfig, OptimizerConfig
 from megatron_logra.logra.projection import parameter_seed, projection_block
+from megatron_logra.logra.sketched_linear import TARGETS
 from megatron_logra.model.arch import load_arch
 from megatron_logra.model.logits import causal_inputs
 from megatron_logra.model.provider import ModelBuildConfig, unwrap
@@ -53,7 +57,7 @@ def setup(tmp_path_factory):
     dense = build_training_objects(arch, build, OptimizerConfig(name="adam", lr=LR, clip_grad=0.0),
                                    seed=SEED, train_iters=10)
     logra_cfg = OptimizerConfig(name="logra", lr=LR, clip_grad=0.0,
-                                logra=LograConfig(rank=RANK, eps=1e-8))
+                                logra=LograConfig(rank=RANK, eps=1e-8, targets=TARGETS))
     sketched = build_training_objects(arch, build, logra_cfg, seed=SEED, train_iters=10)
     batch = _batch(arch.vocab_size)
     kw = dict(seq_length=32, micro_batch_size=2, vocab_size=arch.vocab_size)
@@ -72,7 +76,8 @@ def test_every_sketch_equals_the_dense_gradient_times_a_transposed(setup):
     _, dense, sketched = setup
     dense_params = _named(dense)
     slots = sketched.optimizer.sketches.slots
-    assert len(slots) == 4 * 4  # qkv, proj, fc1, fc2 per layer (tiny: 4 layers)
+    # qkv, proj, fc1, fc2 per layer (tiny: 4 layers) + the tied embedding (lookup + output)
+    assert len(slots) == 4 * 4 + 1 and slots[-1].name == "embedding.word_embeddings.weight"
     for slot in slots:
         grad = dense_params[slot.name].main_grad.float()
         a = projection_block(parameter_seed(SEED, 0, slot.name), RANK, (0, grad.shape[1]))
@@ -121,7 +126,9 @@ def test_one_logra_update_equals_the_reference(setup):
             continue
         g = dense_params[name].main_grad
         expect = before[name] - lr * g / (g.abs() + 1e-8)
-        assert torch.allclose(p, expect, atol=1e-6), name
+        firm = g.abs() > 1e-6  # where |g| ~ Adam's eps, fp32 noise in g decides the sign
+        assert firm.float().mean() > 0.9, name
+        assert torch.allclose(p[firm], expect[firm], atol=1e-6), name
     # the next update uses fresh projections, and the sketches start from zero
     slot = sketched.optimizer.sketches.slots[0]
     fresh = projection_block(parameter_seed(SEED, 1, slot.name), RANK, (0, slot.projection.shape[1]))
