@@ -25,6 +25,8 @@ test-fast: setup
 # Benchmarks print JSON figures (last line of each); see benchmarks/*.py for what they measure.
 bench: setup
 	$(PY) benchmarks/convert.py
+	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/step_time.py
 
 # Until the RL stage lands: a short SFT run of the embedded tiny Llama at TP=2 on CPU.
 demo: setup

@@ -7,7 +7,8 @@ The spec names a model shape (random init; only its config is needed), a variant
 the device and the batch. The child counts model-state bytes by enumerating every
 tensor the model, DDP and the optimizers hold (storages counted once), then runs
 train steps on random tokens and reports step times and peak memory (CUDA max
-allocated; on CPU peak RSS minus the RSS after imports).
+allocated; on CPU the peak RSS of the train steps (VmHWM reset after the build, so the
+build's transient copies do not count) minus the RSS after imports).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def run(spec: dict) -> dict:
 
     rt = init_runtime()
     initialize(ParallelConfig(), 1, seed=0)
-    imports_rss = _rss()  # CPU: peak memory is counted over the interpreter + imports
+    imports_rss = _current_rss()  # CPU: peak memory is counted over the interpreter + imports
     arch = load_arch(shape_dir(spec["shape"]))
     name, master = VARIANTS[spec["variant"]]
     opt = OptimizerConfig(name=name, lr=1e-5, use_distributed_optimizer=True,
@@ -118,6 +119,12 @@ def run(spec: dict) -> dict:
                                             targets=tuple(spec["targets"].split(","))))
     build = ModelBuildConfig(bf16=True, recompute_activations=spec.get("recompute", False))
     objs = build_training_objects(arch, build, opt, seed=0, train_iters=spec["steps"] + 1)
+    if rt.device.type == "cpu":  # count the steps' peak, not the build's transient copies
+        import gc
+
+        gc.collect()
+        _release_freed_heap()
+        _reset_peak_rss()
     g = torch.Generator().manual_seed(0)
     mbs, seq = spec["micro_batch_size"], spec["seq_length"]
     times = []
@@ -144,7 +151,33 @@ def run(spec: dict) -> dict:
 
 
 def _rss() -> int:
+    """Peak RSS of this process (VmHWM; resettable, see ``_reset_peak_rss``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _current_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def _release_freed_heap() -> None:
+    """glibc keeps freed heap resident; hand it back so RSS counts live memory only."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def _reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets VmHWM to the current RSS."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def measure(spec: dict) -> dict:

@@ -23,7 +23,7 @@ def main(argv=None) -> None:
     args = parse(argv)
     spec = {"shape": args.shape, "device": args.device, "rank": args.rank,
             "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
-            "microbatches": args.microbatches, "steps": max(args.steps, 3),
+            "microbatches": args.microbatches, "steps": max(args.steps, 6),
             "recompute": args.recompute, "targets": args.targets}
     runs = {v: measure(dict(spec, variant=v)) for v in ("dense_adam", "logra_fp32_master")}
     report = {"benchmark": "step_time", **spec,

@@ -44,9 +44,10 @@ def update_sq_norm(d: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     """||D A||_F^2 without forming D A: sum((D (A A^T)) * D), D [out, r], A [r, in].
 
     For a column slice A[:, c0:c1] it gives that slice's share, so summing over the slices
-    (tensor-parallel ranks of a row-parallel layer) gives the whole norm. fp64 scalar."""
-    gram = projection.double() @ projection.double().t()
-    return ((d.double() @ gram) * d.double()).sum()
+    (tensor-parallel ranks of a row-parallel layer) gives the whole norm. fp32 products (cost
+    r^2 (in + out), under one D A product), fp64 sum."""
+    gram = projection.float() @ projection.float().t()
+    return ((d.float() @ gram) * d.float()).double().sum()
 
 
 def norm_ratio_factor(update_ratio: float, weight_sq: float, update_sq: float) -> float:

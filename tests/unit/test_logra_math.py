@@ -141,9 +141,9 @@ def test_update_norm_without_forming_da_and_split_over_column_slices():
     torch.manual_seed(2)
     d, a = torch.randn(10, 8), projection_block(9, 8, (0, 40))
     full = float((d.double() @ a.double()).pow(2).sum())
-    assert math.isclose(float(row_adam.update_sq_norm(d, a)), full, rel_tol=1e-10)
+    assert math.isclose(float(row_adam.update_sq_norm(d, a)), full, rel_tol=1e-6)  # fp32 products
     parts = sum(float(row_adam.update_sq_norm(d, a[:, c0:c1])) for c0, c1 in [(0, 13), (13, 40)])
-    assert math.isclose(parts, full, rel_tol=1e-10)
+    assert math.isclose(parts, full, rel_tol=1e-6)
 
 
 def test_norm_ratio_factor():
