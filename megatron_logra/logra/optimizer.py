@@ -57,6 +57,13 @@ class SketchUpdate:
     seed: int
 
 
+def _active_rows(d: torch.Tensor) -> torch.Tensor | None:
+    """Indices of D's nonzero rows when they are under half of them (else None: all rows)."""
+    nonzero = d.abs().amax(dim=1) > 0
+    count = int(nonzero.sum())
+    return None if count * 2 > d.shape[0] else nonzero.nonzero().squeeze(1)
+
+
 class LograOptimizer:
     """Dense megatron optimizer + RowAdam over a ``SketchSet``; megatron's optimizer API."""
 
@@ -143,11 +150,14 @@ class LograOptimizer:
         sr_mode = cfg.master_weights == "none"
         if sr_mode:  # the payload a receiver gets; the update is computed from exactly this
             ds = [d.to(torch.bfloat16).float() for d in ds]
+        # rows whose sketch is zero (an embedding's unseen tokens) get no update: skip them
+        active = [_active_rows(d) for d in ds]
         # a tied embedding's last-stage copy is the same matrix: count it once
-        weight_sq = sum(float(p.double().pow(2).sum())
+        weight_sq = sum(float(torch.linalg.vector_norm(p, dtype=torch.float32)) ** 2
                         for p, s in zip(sk.params, sk.slots) if not s.duplicate)
-        update_sq = sum(float(row_adam.update_sq_norm(d, s.projection))
-                        for d, s in zip(ds, sk.slots) if not s.duplicate)
+        update_sq = sum(float(row_adam.update_sq_norm(d if rows is None else d[rows],
+                                                      s.projection))
+                        for d, s, rows in zip(ds, sk.slots, active) if not s.duplicate)
         weight_sq, update_sq = self._model_parallel_sum([weight_sq, update_sq])
         if cfg.update_ratio is not None:
             c = row_adam.norm_ratio_factor(cfg.update_ratio, weight_sq, update_sq)
@@ -161,26 +171,38 @@ class LograOptimizer:
         self.last_updates = {}
         for i, (param, slot, d) in enumerate(zip(sk.params, sk.slots, ds)):
             seed = sk.seed_of(slot, update)
-            self._apply(i, param, slot, d, coefficient, seed)
+            self._apply(i, param, slot, d, coefficient, seed, active[i])
             self.last_updates[slot.name] = SketchUpdate(d, coefficient, seed)
         self.last_stats = stats
         sk.zero()
         sk.refresh(update + 1)
 
-    def _apply(self, i: int, param, slot, d, coefficient: float, seed: int) -> None:
+    def _apply(self, i: int, param, slot, d, coefficient: float, seed: int,
+               rows: torch.Tensor | None) -> None:
+        """W -= coefficient D A on all rows, or (``rows``) on those rows only (row-wise
+        independent, so the result is the same: D is zero elsewhere)."""
         cfg = self.cfg
-        if self.masters[i] is not None:
-            row_adam.apply_low_rank_update(self.masters[i], d, slot.projection, coefficient,
-                                           chunk_rows=cfg.chunk_rows, exact=False)
-            param.copy_(self.masters[i])
-        elif param.dtype == torch.bfloat16 and cfg.master_weights == "none":
-            apply_bf16_update(param.data, d, coefficient, seed, rank=self.sketches.cfg.rank,
-                              kind=self.sketches.cfg.projection, global_rows=slot.global_rows,
+        master = self.masters[i]
+        target = master if master is not None else param.data
+        block = target if rows is None else target[rows]
+        if rows is not None:
+            d = d[rows]
+        if master is None and param.dtype == torch.bfloat16 and cfg.master_weights == "none":
+            global_rows = slot.global_rows if rows is None else slot.global_rows[rows.cpu()]
+            apply_bf16_update(block, d, coefficient, seed, rank=self.sketches.cfg.rank,
+                              kind=self.sketches.cfg.projection, global_rows=global_rows,
                               col_offset=slot.col_offset, projection=slot.projection,
                               chunk_rows=cfg.chunk_rows)
-        else:  # fp32 params (and bf16 with round-to-nearest, if ever asked for)
-            row_adam.apply_low_rank_update(param.data, d, slot.projection, coefficient,
+        else:  # an fp32 master, or fp32 params
+            row_adam.apply_low_rank_update(block, d, slot.projection, coefficient,
                                            chunk_rows=cfg.chunk_rows, exact=False)
+        if rows is not None:
+            target[rows] = block
+        if master is not None:
+            if rows is None:
+                param.copy_(master)
+            else:
+                param[rows] = master[rows].to(param.dtype)
 
     # --- state ------------------------------------------------------------------------------
     def reload_masters(self) -> None:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megatron_logra.config import LograConfig, OptimizerConfig
+from megatron_logra.logra.sketched_linear import TARGETS
 from megatron_logra.model.arch import load_arch
 from megatron_logra.model.logits import causal_inputs
 from megatron_logra.model.provider import ModelBuildConfig, unwrap
@@ -55,12 +56,14 @@ torch.save(out, sys.argv[2])
 def _one_update(tmp: Path, master: str, update_ratio: float):
     init_runtime()
     initialize(ParallelConfig(), 1, seed=3)
-    arch = load_arch(write_tiny_model_dir(tmp / f"tiny-{master}", "llama"))
+    # untied: the embedding's sketch then has the zero rows of unseen tokens
+    arch = load_arch(write_tiny_model_dir(tmp / f"tiny-{master}", "llama",
+                                          tie_word_embeddings=False))
     cfg = OptimizerConfig(name="logra", lr=1e-3, logra=LograConfig(
-        rank=8, update_ratio=update_ratio, master_weights=master))
+        rank=8, update_ratio=update_ratio, master_weights=master, targets=TARGETS))
     objs = build_training_objects(arch, ModelBuildConfig(bf16=True), cfg, seed=3, train_iters=2)
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, arch.vocab_size, (2, 32), generator=g)
+    tokens = torch.randint(0, arch.vocab_size // 4, (2, 32), generator=g)
     mb = causal_inputs(tokens)
     mb.update(labels=torch.roll(tokens, -1, 1), loss_mask=torch.ones(2, 32))
     objs.optimizer.zero_grad()
@@ -80,6 +83,10 @@ def sr_run(tmp_path_factory):
 def test_another_process_reproduces_the_update_bit_exactly(sr_run, tmp_path):
     objs, params, before = sr_run
     sketches = objs.optimizer.sketches
+    # the embedding's sketch has zero rows (tokens not in the batch): the trainer updates only
+    # the others, the receiver all of them; the results must still agree bit for bit
+    emb = objs.optimizer.last_updates["embedding.word_embeddings.weight"].d
+    assert 0 < int((emb.abs().amax(1) > 0).sum()) < emb.shape[0] // 2
     payload = {}
     for slot in sketches.slots:
         u = objs.optimizer.last_updates[slot.name]
@@ -106,20 +113,22 @@ def test_sub_resolution_updates_survive_on_average(sr_run):
     objs, params, before = sr_run
     from megatron_logra.logra.projection import projection_block
 
-    for slot in objs.optimizer.sketches.slots[:4]:
+    dot = dot_nearest = norm = 0.0
+    for slot in objs.optimizer.sketches.slots:
         u = objs.optimizer.last_updates[slot.name]
         w0 = before[slot.name].float()
         a = projection_block(u.seed, objs.optimizer.sketches.cfg.rank, (0, w0.shape[1]))
         exact = -u.coefficient * (u.d @ a)
         nearest = (w0 + exact).bfloat16().float() - w0
         got = params[slot.name].detach().float() - w0
-        # W0 is on the bf16 grid, so round-to-nearest drops every element's change below half
-        # a grid step; stochastic rounding keeps the expected change: projected onto the exact
-        # update, its change has ratio ~1
-        ratio = float((got * exact).sum() / (exact * exact).sum())
-        ratio_nearest = float((nearest * exact).sum() / (exact * exact).sum())
-        assert 0.7 < ratio < 1.3, (slot.name, ratio)
-        assert ratio_nearest < 0.5, (slot.name, ratio_nearest)
+        dot += float((got * exact).sum())
+        dot_nearest += float((nearest * exact).sum())
+        norm += float((exact * exact).sum())
+    # W0 is on the bf16 grid, so round-to-nearest drops every element's change below half a
+    # grid step; stochastic rounding keeps the expected change: projected onto the exact
+    # update (all sketched weights together), its change has ratio ~1
+    assert 0.8 < dot / norm < 1.2, dot / norm
+    assert dot_nearest / norm < 0.5, dot_nearest / norm
 
 
 def test_fp32_master_mode_keeps_a_master_and_rounds_from_it(tmp_path):
