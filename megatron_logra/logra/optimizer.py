@@ -117,7 +117,8 @@ class LograOptimizer:
             row_adam.update_row_moments(v, slot.sketch, cfg.beta2)
             rhos.append(row_adam.row_scale(v, self.steps, cfg.beta2))
         # mean rho per layer over its global rows: column-parallel rows are split over TP
-        sums = torch.stack([r.double().sum() for r in rhos]) if rhos else torch.zeros(0)
+        sums = (torch.stack([r.double().sum() for r in rhos]).cpu() if rhos
+                else torch.zeros(0, dtype=torch.float64))
         counts = torch.tensor([float(r.numel()) for r in rhos], dtype=torch.float64)
         split = torch.tensor([s.parallel == "column" for s in sk.slots], dtype=torch.bool)
         tp = parallel_state.get_tensor_model_parallel_world_size()
