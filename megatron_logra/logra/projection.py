@@ -41,8 +41,10 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _bits(seed: int, rows: torch.Tensor, cols: torch.Tensor, stream: int) -> torch.Tensor:
-    """[len(rows), len(cols)] 32-bit random words for (seed, row, col, stream)."""
+def counter_words(seed: int, rows: torch.Tensor, cols: torch.Tensor, stream: int) -> torch.Tensor:
+    """[len(rows), len(cols)] 32-bit random words, a pure function of (seed, row, col, stream)
+    for integer row/column indices (any subset, any device). Streams: 0, 1 projections, 2
+    stochastic rounding."""
     key = hash32(torch.tensor((seed ^ (stream * 0x9E3779B9)) & MASK32, dtype=torch.int64,
                               device=rows.device))
     h_row = hash32((rows.to(torch.int64) ^ key) & MASK32)
@@ -59,12 +61,12 @@ def projection_block(seed: int, rank: int, cols: tuple[int, int], *, kind: str =
     rows = torch.arange(rank, device=device)
     columns = torch.arange(cols[0], cols[1], device=device)
     scale = 1.0 / math.sqrt(rank)
-    words = _bits(seed, rows, columns, stream=0)
+    words = counter_words(seed, rows, columns, stream=0)
     if kind == "rademacher":
         sign = (words & 1).to(torch.float32) * 2.0 - 1.0
         return (sign * scale).to(dtype)
     u1 = ((words >> 8).to(torch.float64) + 1.0) / 16777217.0  # (0, 1): log is finite
-    u2 = (_bits(seed, rows, columns, stream=1) >> 8).to(torch.float64) / 16777216.0
+    u2 = (counter_words(seed, rows, columns, stream=1) >> 8).to(torch.float64) / 16777216.0
     gauss = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)
     return (gauss * scale).to(dtype)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_logra.logra.projection import MASK32, hash32
+from megatron_logra.logra.projection import MASK32, counter_words
 
 
 def _signed32(x: torch.Tensor) -> torch.Tensor:
@@ -29,9 +29,7 @@ def stochastic_round_bf16(values: torch.Tensor, seed: int, rows: torch.Tensor,
     device = values.device
     rows = rows.to(device=device, dtype=torch.int64)
     cols = torch.arange(col0, col0 + values.shape[1], device=device, dtype=torch.int64)
-    key = int(hash32(torch.tensor(seed & MASK32, dtype=torch.int64)))
-    noise = hash32((hash32((rows ^ key) & MASK32)[:, None] * 0x10001 + cols[None, :]) & MASK32) \
-        & 0xFFFF
+    noise = counter_words(seed, rows, cols, stream=2) & 0xFFFF
     bits = values.contiguous().view(torch.int32).to(torch.int64) & MASK32
     finite = torch.isfinite(values)
     rounded = torch.where(finite, (bits + noise) & 0xFFFF0000, bits & 0xFFFF0000)

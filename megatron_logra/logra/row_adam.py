@@ -9,9 +9,9 @@ A (r x in) (../shared/notes/logra-method.md, section 2):
     W    <- W - c D A                                  applied in row chunks
 
 Under model parallelism a rank holds some rows of W (column-parallel) or a column
-slice (row-parallel); the callers reduce the partial sums these functions return
-(``rho_sum``, ``weight_sq_norm``, ``update_sq_norm``) over the right groups, so the
-math here is the same whatever the layout.
+slice (row-parallel); the callers reduce the partial quantities (sums of rho, squared weight norms,
+``update_sq_norm``) over the right groups, so the math here is the same whatever
+the layout.
 """
 
 from __future__ import annotations

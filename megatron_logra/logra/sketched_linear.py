@@ -116,35 +116,32 @@ class SketchedVocabParallelEmbedding(VocabParallelEmbedding):
         return reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
 
 
-def sketched_forward(x, weight, bias, allreduce_dgrad, tp_group, fallback, **kwargs):
-    slot: SketchSlot | None = getattr(weight, "logra_slot", None)
-    if slot is None or slot.projection is None or not torch.is_grad_enabled():
-        return fallback(x, weight, bias=bias, allreduce_dgrad=allreduce_dgrad,
-                        tp_group=tp_group, **kwargs)
-    return _SketchedMatmul.apply(x, weight, bias, slot.projection, slot.sketch,
-                                 allreduce_dgrad, tp_group)
+class _SketchedMatmulMixin:
+    """Overrides megatron's ``_forward_impl`` (the matmul between its TP communication):
+    the sketched matmul while the weight's slot has a projection and grad is enabled,
+    megatron's own otherwise (eval, forward-only schedules)."""
+
+    def _forward_impl(self, input, weight, *args, bias=None, allreduce_dgrad=False,
+                      tp_group=None, **kwargs):
+        slot: SketchSlot | None = getattr(weight, "logra_slot", None)
+        if slot is None or slot.projection is None or not torch.is_grad_enabled():
+            return super()._forward_impl(input, weight, *args, bias=bias,
+                                         allreduce_dgrad=allreduce_dgrad, tp_group=tp_group,
+                                         **kwargs)
+        return _SketchedMatmul.apply(input, weight, bias, slot.projection, slot.sketch,
+                                     allreduce_dgrad, tp_group)
 
 
-class SketchedColumnParallelLinear(ColumnParallelLinear):
-    """ColumnParallelLinear (qkv, fc1) with a sketched weight gradient."""
+class SketchedColumnParallelLinear(_SketchedMatmulMixin, ColumnParallelLinear):
+    """ColumnParallelLinear (qkv, fc1, output layer) with a sketched weight gradient."""
 
     logra_parallel = "column"
 
-    def _forward_impl(self, input, weight, *args, bias=None, allreduce_dgrad=False,
-                      tp_group=None, **kwargs):
-        return sketched_forward(input, weight, bias, allreduce_dgrad, tp_group,
-                                super()._forward_impl, **kwargs)
 
-
-class SketchedRowParallelLinear(RowParallelLinear):
+class SketchedRowParallelLinear(_SketchedMatmulMixin, RowParallelLinear):
     """RowParallelLinear (attention proj, fc2) with a sketched weight gradient."""
 
     logra_parallel = "row"
-
-    def _forward_impl(self, input, weight, *args, bias=None, allreduce_dgrad=False,
-                      tp_group=None, **kwargs):
-        return sketched_forward(input, weight, bias, allreduce_dgrad, tp_group,
-                                super()._forward_impl, **kwargs)
 
 
 SKETCHED_TYPES = (SketchedColumnParallelLinear, SketchedRowParallelLinear)

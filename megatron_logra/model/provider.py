@@ -91,9 +91,9 @@ def transformer_config(arch: ModelArch, build: ModelBuildConfig) -> TransformerC
 def layer_spec(arch: ModelArch, build: ModelBuildConfig):
     if build.sketch_targets:  # LoGRA's sketched linears subclass the local (non-TE) layers
         if build.use_transformer_engine:
-            raise ValueError("--optimizer logra uses megatron-core's local layer spec (its "
-                             "sketched linears subclass Column/RowParallelLinear); drop "
-                             "--transformer-engine")
+            raise ValueError("LoGRA's sketched linears subclass megatron-core's local "
+                             "Column/RowParallelLinear: build with use_transformer_engine=False "
+                             "(the trainer does this for --optimizer logra)")
         from megatron_logra.logra.sketched_linear import sketched_layer_spec
 
         return sketched_layer_spec(
