@@ -80,6 +80,9 @@ class LograOptimizer:
         self.masters = [p.detach().float().clone() if low and cfg.master_weights == "fp32" else None
                         for p, low in zip(sketches.params, low_precision)]
         self.steps = 0  # RowAdam steps taken (bias correction)
+        # (D, coefficient, seed) per weight of the last update, for a receiver (rollout engine,
+        # tests); off by default: it holds another out x r fp32 tensor per sketched weight
+        self.keep_updates = False
         self.last_updates: dict[str, SketchUpdate] = {}
         self.last_stats: dict[str, float] = {}
         sketches.refresh(0)
@@ -173,7 +176,8 @@ class LograOptimizer:
         for i, (param, slot, d) in enumerate(zip(sk.params, sk.slots, ds)):
             seed = sk.seed_of(slot, update)
             self._apply(i, param, slot, d, coefficient, seed, active[i])
-            self.last_updates[slot.name] = SketchUpdate(d, coefficient, seed)
+            if self.keep_updates:
+                self.last_updates[slot.name] = SketchUpdate(d, coefficient, seed)
         self.last_stats = stats
         sk.zero()
         sk.refresh(update + 1)

@@ -62,6 +62,7 @@ def _one_update(tmp: Path, master: str, update_ratio: float):
     cfg = OptimizerConfig(name="logra", lr=1e-3, logra=LograConfig(
         rank=8, update_ratio=update_ratio, master_weights=master, targets=TARGETS))
     objs = build_training_objects(arch, ModelBuildConfig(bf16=True), cfg, seed=3, train_iters=2)
+    objs.optimizer.keep_updates = True
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, arch.vocab_size // 4, (2, 32), generator=g)
     mb = causal_inputs(tokens)
