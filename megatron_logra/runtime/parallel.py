@@ -39,14 +39,21 @@ class ParallelConfig:
 
 
 def initialize(cfg: ParallelConfig, world_size: int, seed: int) -> None:
-    """(Re)build megatron-core's process groups for ``cfg`` and seed its RNG tracker."""
+    """Build megatron-core's process groups for ``cfg`` (kept when that layout is already up:
+    megatron never frees old groups, and each rebuild makes later group creation slower) and
+    seed its RNG tracker."""
     cfg.validate(world_size)
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-    )
+        if (parallel_state.get_tensor_model_parallel_world_size()
+                != cfg.tensor_model_parallel_size
+                or parallel_state.get_pipeline_model_parallel_world_size()
+                != cfg.pipeline_model_parallel_size):
+            parallel_state.destroy_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+            pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        )
     from megatron.core import tensor_parallel
 
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

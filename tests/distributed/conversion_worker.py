@@ -26,9 +26,6 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore")
 
 
-_LAYOUT: list = [None]
-
-
 def _run_case(case: dict, world_size: int, device: torch.device, reference: dict) -> dict:
     from megatron_logra.convert import safetensors_io
     from megatron_logra.convert.hf_checkpoint import load_hf_weights
@@ -39,10 +36,7 @@ def _run_case(case: dict, world_size: int, device: torch.device, reference: dict
     from megatron_logra.training.checkpointing import load_model_weights, resolve_load_dir
 
     arch = load_arch(case["hf_dir"])
-    layout = ParallelConfig(case["tp"], case["pp"])
-    if _LAYOUT[0] != layout:  # megatron never frees old groups: rebuild only on a change
-        initialize(layout, world_size, seed=0)
-        _LAYOUT[0] = layout
+    initialize(ParallelConfig(case["tp"], case["pp"]), world_size, seed=0)
     model = [build_gpt_model(arch, ModelBuildConfig(), seed=1)]
     before = safetensors_io.BYTES_READ[0]
     if case["source"] == "hf":
