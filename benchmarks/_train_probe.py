@@ -75,8 +75,6 @@ def _optimizer_tensors(megatron_opt):
 
 def model_state_bytes(objs) -> dict[str, int]:
     """Bytes by category, each storage counted once (params first, so views are not doubled)."""
-    import torch
-
     model = objs.model[0]
     params = _storages(list(model.parameters())
                        + [b.param_data for b in model.buffers if b.param_data is not None])
@@ -90,7 +88,6 @@ def model_state_bytes(objs) -> dict[str, int]:
     logra = getattr(objs.optimizer, "state_bytes", None)
     out.update({f"logra_{k}": v for k, v in (logra() if logra else {}).items()})
     out["total"] = sum(out.values())
-    del torch
     return out
 
 

@@ -77,15 +77,11 @@ def _run_child(job: str, *args: str) -> dict:
 
 def _tensor_bytes(folder: Path) -> tuple[int, int]:
     """(total, largest) tensor bytes of the safetensors files in ``folder``, from headers."""
-    total = largest = 0
-    for path in folder.glob("*.safetensors"):
-        with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        for name, info in header.items():
-            if name != "__metadata__":
-                size = info["data_offsets"][1] - info["data_offsets"][0]
-                total, largest = total + size, max(largest, size)
-    return total, largest
+    from megatron_logra.convert.safetensors_io import SafetensorsFile
+
+    sizes = [e.end - e.begin for path in folder.glob("*.safetensors")
+             for e in SafetensorsFile(path).entries.values()]
+    return sum(sizes), max(sizes, default=0)
 
 
 def main() -> None:

@@ -73,9 +73,7 @@ def plan(s: Shape, tp: int, pp: int, dp: int, *, method: str, rank: int = 256,
     lin_params = layers * sum(o * i for o, i, _ in lin) / tp
     small = layers * (2 * s.hidden + (s.heads + 2 * s.kv_heads) * s.hd / tp)  # norms, qkv bias
     emb = s.vocab * s.hidden / tp
-    emb_copies = 1 if (s.tied or pp == 1 and not s.tied) else 1
-    if not s.tied and pp == 1:
-        emb_copies = 2  # embedding + output layer on the same rank
+    emb_copies = 2 if not s.tied and pp == 1 else 1  # untied, PP1: embedding + output layer
     emb_params = emb * emb_copies
     out = {"params": 2 * (lin_params + small + emb_params)}
     dense_state = lambda n: 4 * n + 12 * n / dp  # fp32 grad buffer + (main, m, v) sharded  # noqa: E731
@@ -101,7 +99,7 @@ def plan(s: Shape, tp: int, pp: int, dp: int, *, method: str, rank: int = 256,
         one_layer = n * (s.hidden * 18 + 2 * s.ffn * 3 + (s.heads + 2 * s.kv_heads) * s.hd * 2) \
             / tp * 2  # one layer's internals in bf16 during its recomputed backward
         if method == "logra":
-            one_layer += n * rank * 4 * 4 / 1  # X A^T of the 4 sketched linears (fp32)
+            one_layer += n * rank * 4 * 4  # X A^T of the 4 sketched linears (fp32)
         logits = 3 * n * s.vocab / tp * 4  # fp32 logits, softmax and its grad
         out["activations"] = kept + one_layer + logits
     out["total"] = out["model_state"] + out.get("activations", 0.0)
