@@ -20,7 +20,11 @@ all-gather. ``step()`` runs it, then the RowAdam update of every sketched weight
    process holding the same bf16 W and (D, seed) reproduces the result bit-exactly.
 
 Then the sketches are zeroed and new projections drawn for the next update.
-Every rank of a DP group holds the same reduced S and computes the same update.
+
+Every rank of a DP group holds the same reduced S. Without the distributed optimizer
+each computes the whole update; with it (``shard_over_dp``) each DP rank owns whole
+rows of every sketched weight (``row_shards``): it keeps v and the fp32 master for
+those rows only, updates them, and the DP group all-gathers the updated rows.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from megatron.core import parallel_state
 
 from megatron_logra.logra import row_adam
 from megatron_logra.logra.low_rank_apply import apply_bf16_update
+from megatron_logra.logra.row_shards import RowShard, all_gather_rows, plan_row_shard
 from megatron_logra.logra.sketches import SketchSet
 
 MASTER_MODES = ("fp32", "none")
@@ -46,15 +51,17 @@ class RowAdamConfig:
     update_ratio: float | None = None  # None: the step is the learning rate
     master_weights: str = "fp32"  # for bf16 params: "fp32" master copy | "none" (SR)
     chunk_rows: int = row_adam.DEFAULT_CHUNK_ROWS
+    shard_over_dp: bool = False  # row-aligned DP sharding (with --use-distributed-optimizer)
 
 
 @dataclass
 class SketchUpdate:
     """What one update did to a sketched weight: W -= coefficient * D A(seed)."""
 
-    d: torch.Tensor  # [out_local, r] fp32 (bf16-representable in "none" mode)
+    d: torch.Tensor  # [owned rows, r] fp32 (bf16-representable in "none" mode)
     coefficient: float  # alpha * c
     seed: int
+    shard: RowShard  # which local rows of the weight d's rows are (all without DP sharding)
 
 
 def _active_rows(d: torch.Tensor) -> torch.Tensor | None:
@@ -74,11 +81,18 @@ class LograOptimizer:
                              f"{MASTER_MODES}")
         self.dense, self.sketches, self.cfg = dense, sketches, cfg
         self.step_scale_fn = step_scale_fn
-        self.row_v = [torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
-                      for p in sketches.params]
-        low_precision = [p.dtype != torch.float32 for p in sketches.params]
-        self.masters = [p.detach().float().clone() if low and cfg.master_weights == "fp32" else None
-                        for p, low in zip(sketches.params, low_precision)]
+        dp_size, dp_rank = 1, 0
+        if cfg.shard_over_dp:
+            dp_size = parallel_state.get_data_parallel_world_size()
+            dp_rank = parallel_state.get_data_parallel_rank()
+        self.shards = [plan_row_shard(p.shape[0], s.gated_halves, dp_size, dp_rank)
+                       for p, s in zip(sketches.params, sketches.slots)]
+        self.row_v = [torch.zeros(sh.num_owned, dtype=torch.float32, device=p.device)
+                      for p, sh in zip(sketches.params, self.shards)]
+        keep_master = [p.dtype != torch.float32 and cfg.master_weights == "fp32"
+                       for p in sketches.params]
+        self.masters = [sh.take(p.detach()).float().clone() if keep else None
+                        for p, sh, keep in zip(sketches.params, self.shards, keep_master)]
         self.steps = 0  # RowAdam steps taken (bias correction)
         # (D, coefficient, seed) per weight of the last update, for a receiver (rollout engine,
         # tests); off by default: it holds another out x r fp32 tensor per sketched weight
@@ -114,55 +128,71 @@ class LograOptimizer:
         return float(self.dense.param_groups[0]["lr"])
 
     def _directions(self) -> list[torch.Tensor]:
+        """D [owned rows, r] per sketched weight."""
         cfg, sk = self.cfg, self.sketches
+        owned = [sh.take(slot.sketch) for sh, slot in zip(self.shards, sk.slots)]
         rhos = []
-        for v, slot in zip(self.row_v, sk.slots):
-            row_adam.update_row_moments(v, slot.sketch, cfg.beta2)
+        for v, s in zip(self.row_v, owned):
+            row_adam.update_row_moments(v, s, cfg.beta2)
             rhos.append(row_adam.row_scale(v, self.steps, cfg.beta2))
-        # mean rho per layer over its global rows: column-parallel rows are split over TP
-        sums = (torch.stack([r.double().sum() for r in rhos]).cpu() if rhos
-                else torch.zeros(0, dtype=torch.float64))
+        # mean rho per layer over its global rows: rows are split over DP (sharded weights)
+        # and over TP (column-parallel weights)
+        sums = torch.tensor([float(r.double().sum()) for r in rhos], dtype=torch.float64)
         counts = torch.tensor([float(r.numel()) for r in rhos], dtype=torch.float64)
-        split = torch.tensor([s.parallel == "column" for s in sk.slots], dtype=torch.bool)
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        if tp > 1 and bool(split.any()):
-            both = torch.stack([torch.where(split, sums, 0.0), torch.where(split, counts, 0.0)])
-            both = both.to(self._device())
-            dist.all_reduce(both, group=parallel_state.get_tensor_model_parallel_group())
-            both = both.cpu()
-            sums = torch.where(split, both[0], sums)
-            counts = torch.where(split, both[1], counts)
-        means = (sums / counts.clamp(min=1)).tolist()
-        return [row_adam.direction(slot.sketch, rho, mean, cfg.eps)
-                for slot, rho, mean in zip(sk.slots, rhos, means)]
+        both = torch.stack([sums, counts])
+        dp_split = torch.tensor([sh.sharded for sh in self.shards], dtype=torch.bool)
+        tp_split = torch.tensor([s.parallel == "column" for s in sk.slots], dtype=torch.bool)
+        both = self._masked_sum(both, dp_split, parallel_state.get_data_parallel_group)
+        both = self._masked_sum(both, tp_split, parallel_state.get_tensor_model_parallel_group)
+        means = (both[0] / both[1].clamp(min=1)).tolist()
+        return [row_adam.direction(s, rho, mean, cfg.eps)
+                for s, rho, mean in zip(owned, rhos, means)]
+
+    def _masked_sum(self, values: torch.Tensor, mask: torch.Tensor, group_fn) -> torch.Tensor:
+        """``values`` [..., n] with the columns where ``mask`` [n] holds summed over a group."""
+        if not bool(mask.any()) or not dist.is_initialized():
+            return values
+        group = group_fn()
+        if dist.get_world_size(group) == 1:
+            return values
+        summed = torch.where(mask, values, 0.0).to(self._device())
+        dist.all_reduce(summed, group=group)
+        return torch.where(mask, summed.cpu(), values)
 
     def _device(self) -> torch.device:
         return self.sketches.params[0].device if len(self.sketches) else torch.device("cpu")
 
-    def _model_parallel_sum(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self._device())
-        if dist.is_initialized() and parallel_state.get_model_parallel_group() is not None \
-                and dist.get_world_size(parallel_state.get_model_parallel_group()) > 1:
-            dist.all_reduce(t, group=parallel_state.get_model_parallel_group())
-        return t.tolist()
+    def _global_norms(self, ds: list[torch.Tensor]) -> tuple[float, float]:
+        """(||W||^2, ||c-free update D A||^2) over every sketched weight of the model: partial
+        sums over owned rows, summed over DP for sharded weights, then over TP and PP. A tied
+        embedding's last-stage copy is the same matrix: counted once."""
+        parts = torch.zeros(2, 2, dtype=torch.float64)  # [weight, update] x [replicated, sharded]
+        for param, slot, shard, d in zip(self.sketches.params, self.sketches.slots,
+                                         self.shards, ds):
+            if slot.duplicate:
+                continue
+            weight_sq = sum(float(torch.linalg.vector_norm(param[rows], dtype=torch.float32)) ** 2
+                            for rows, _ in shard.pieces())
+            nonzero = _active_rows(d)
+            update_sq = float(row_adam.update_sq_norm(d if nonzero is None else d[nonzero],
+                                                      slot.projection))
+            parts[:, int(shard.sharded)] += torch.tensor([weight_sq, update_sq],
+                                                         dtype=torch.float64)
+        parts = self._masked_sum(parts, torch.tensor([False, True]),
+                                 parallel_state.get_data_parallel_group)
+        totals = parts.sum(dim=1)
+        totals = self._masked_sum(totals, torch.tensor([True, True]),
+                                  parallel_state.get_model_parallel_group)
+        return float(totals[0]), float(totals[1])
 
     def _sketch_step(self) -> None:
         cfg, sk = self.cfg, self.sketches
         update = self.steps  # 0-based index of this update
         self.steps += 1
         ds = self._directions()
-        sr_mode = cfg.master_weights == "none"
-        if sr_mode:  # the payload a receiver gets; the update is computed from exactly this
+        if cfg.master_weights == "none":  # the payload a receiver gets; applied exactly so
             ds = [d.to(torch.bfloat16).float() for d in ds]
-        # rows whose sketch is zero (an embedding's unseen tokens) get no update: skip them
-        active = [_active_rows(d) for d in ds]
-        # a tied embedding's last-stage copy is the same matrix: count it once
-        weight_sq = sum(float(torch.linalg.vector_norm(p, dtype=torch.float32)) ** 2
-                        for p, s in zip(sk.params, sk.slots) if not s.duplicate)
-        update_sq = sum(float(row_adam.update_sq_norm(d if rows is None else d[rows],
-                                                      s.projection))
-                        for d, s, rows in zip(ds, sk.slots, active) if not s.duplicate)
-        weight_sq, update_sq = self._model_parallel_sum([weight_sq, update_sq])
+        weight_sq, update_sq = self._global_norms(ds)
         if cfg.update_ratio is not None:
             c = row_adam.norm_ratio_factor(cfg.update_ratio, weight_sq, update_sq)
         else:
@@ -173,27 +203,31 @@ class LograOptimizer:
         stats["alpha"] = alpha
         coefficient = alpha * c
         self.last_updates = {}
-        for i, (param, slot, d) in enumerate(zip(sk.params, sk.slots, ds)):
+        dp_group = parallel_state.get_data_parallel_group() if cfg.shard_over_dp else None
+        for i, (param, slot, shard, d) in enumerate(zip(sk.params, sk.slots, self.shards, ds)):
             seed = sk.seed_of(slot, update)
-            self._apply(i, param, slot, d, coefficient, seed, active[i])
+            for rows, state_rows in shard.pieces():
+                self._apply(i, param, slot, rows, state_rows, d[state_rows], coefficient, seed)
+            all_gather_rows(param.data, shard, dp_group)
             if self.keep_updates:
-                self.last_updates[slot.name] = SketchUpdate(d, coefficient, seed)
+                self.last_updates[slot.name] = SketchUpdate(d, coefficient, seed, shard)
         self.last_stats = stats
         sk.zero()
         sk.refresh(update + 1)
 
-    def _apply(self, i: int, param, slot, d, coefficient: float, seed: int,
-               rows: torch.Tensor | None) -> None:
-        """W -= coefficient D A on all rows, or (``rows``) on those rows only (row-wise
-        independent, so the result is the same: D is zero elsewhere)."""
+    def _apply(self, i: int, param, slot, rows: slice, state_rows: slice, d: torch.Tensor,
+               coefficient: float, seed: int) -> None:
+        """W[rows] -= coefficient D A (D [rows, r]); only on D's nonzero rows when they are
+        few (an embedding's unseen tokens: row-wise independent, the result is the same)."""
         cfg = self.cfg
-        master = self.masters[i]
-        target = master if master is not None else param.data
-        block = target if rows is None else target[rows]
-        if rows is not None:
-            d = d[rows]
+        master = None if self.masters[i] is None else self.masters[i][state_rows]
+        target = master if master is not None else param.data[rows]
+        global_rows = slot.global_rows[rows]
+        active = _active_rows(d)
+        block = target if active is None else target[active]
+        if active is not None:
+            d, global_rows = d[active], global_rows[active.cpu()]
         if master is None and param.dtype == torch.bfloat16 and cfg.master_weights == "none":
-            global_rows = slot.global_rows if rows is None else slot.global_rows[rows.cpu()]
             apply_bf16_update(block, d, coefficient, seed, rank=self.sketches.cfg.rank,
                               kind=self.sketches.cfg.projection, global_rows=global_rows,
                               col_offset=slot.col_offset, projection=slot.projection,
@@ -201,20 +235,21 @@ class LograOptimizer:
         else:  # an fp32 master, or fp32 params
             row_adam.apply_low_rank_update(block, d, slot.projection, coefficient,
                                            chunk_rows=cfg.chunk_rows, exact=False)
-        if rows is not None:
-            target[rows] = block
+        if active is not None:
+            target[active] = block
         if master is not None:
-            if rows is None:
-                param.copy_(master)
+            weight_rows = param.data[rows]
+            if active is None:
+                weight_rows.copy_(master)
             else:
-                param[rows] = master[rows].to(param.dtype)
+                weight_rows[active] = master[active].to(param.dtype)
 
     # --- state ------------------------------------------------------------------------------
     def reload_masters(self) -> None:
         """Re-copy the fp32 masters from the weights (after weights were loaded underneath)."""
-        for param, master in zip(self.sketches.params, self.masters):
+        for param, shard, master in zip(self.sketches.params, self.shards, self.masters):
             if master is not None:
-                master.copy_(param.detach().float())
+                master.copy_(shard.take(param.detach()).float())
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
         """megatron's dense state + RowAdam's row states and masters as sharded tensors in the

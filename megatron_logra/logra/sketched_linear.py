@@ -39,6 +39,7 @@ class SketchSlot:
     sketch: torch.Tensor  # [out_local, r] fp32 accumulator S
     projection: torch.Tensor | None = None  # [r, in_local] this rank's columns of A
     duplicate: bool = False  # the last stage's copy of a tied embedding (PP > 1)
+    gated_halves: bool = False  # a gated fc1: local rows are [gate_t; up_t]
 
 
 class _SketchedMatmul(torch.autograd.Function):

@@ -46,7 +46,7 @@ def _canonical_rows(module, name: str, out_local: int, tp_rank: int, tp_size: in
     local = torch.arange(out_local, dtype=torch.int64)
     if module.logra_parallel == "row":
         return local
-    if gated and name.endswith("mlp.linear_fc1"):
+    if gated and name.endswith("mlp.linear_fc1.weight"):
         half = out_local // 2
         return torch.where(local < half, tp_rank * half + local,
                            tp_size * half + tp_rank * half + (local - half))
@@ -101,7 +101,8 @@ class SketchSet:
             slot = SketchSlot(name=canonical, parallel=module.logra_parallel,
                               global_rows=rows, col_offset=col_offset,
                               sketch=torch.empty(0),  # bound to a buffer view below
-                              duplicate=duplicate)
+                              duplicate=duplicate,
+                              gated_halves=gated and canonical.endswith("mlp.linear_fc1.weight"))
             # a tied embedding split over first and last stage is summed over both
             slot.buffer = "tied" if canonical == EMBEDDING and tied_over_pp else slot.parallel
             slot.offset = sizes[slot.buffer]

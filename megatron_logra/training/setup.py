@@ -3,7 +3,8 @@
 LoGRA: the model is built with the sketched layer spec, the ``SketchSet`` takes the
 sketched weights out of autograd *before* DDP is built (so DDP allocates no grad
 buffer for them), megatron's optimizer is built for what still requires grad, and
-``LograOptimizer`` wraps it. Megatron's ``finalize_model_grads`` is followed by the
+``LograOptimizer`` wraps it (with ``--use-distributed-optimizer`` it shards the
+sketched weights' row states and masters over DP by whole rows). Megatron's ``finalize_model_grads`` is followed by the
 sketches' TP/DP reduction and per-token scaling.
 """
 
@@ -97,7 +98,8 @@ def build_training_objects(arch: ModelArch, build: ModelBuildConfig, opt: Optimi
     if logra:
         optimizer = LograOptimizer(optimizer, sketches, RowAdamConfig(
             beta2=opt.logra.beta2, eps=opt.logra.eps, update_ratio=opt.logra.update_ratio,
-            master_weights=opt.logra.master_weights))
+            master_weights=opt.logra.master_weights,
+            shard_over_dp=opt.use_distributed_optimizer))
         config.finalize_model_grads_func = partial(_finalize_with_sketches, sketches)
     config.no_sync_func = ddp.no_sync
     config.grad_scale_func = optimizer.scale_loss

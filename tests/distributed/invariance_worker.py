@@ -47,6 +47,8 @@ def main() -> None:
             torch.save({"losses": [r["loss"] for r in result.records],
                         "grad_norms": [r["grad_norm"] for r in result.records],
                         "steps": [r["step"] for r in result.records],
+                        "state_bytes": getattr(result.objects.optimizer, "state_bytes",
+                                               dict)(),
                         "weights": weights}, out / f"{run['name']}.pt")
             print(f"[worker] {run['name']}: losses {[round(r['loss'], 6) for r in result.records]}",
                   flush=True)

@@ -44,6 +44,7 @@ LG = ["--optimizer", "logra", "--logra-rank", "16", "--logra-update-ratio", "2e-
 def _plan(tmp: Path, world: int) -> list[dict]:
     ck = tmp / "ckpt"
     lg_ck = tmp / "ckpt_logra"
+    lg_do_ck = tmp / "ckpt_logra_do"  # saved DP-sharded (row states split over DP)
 
     def run(name, *flags):
         return {"name": name, "argv": BASE + ["--output-dir", str(tmp / "out" / name)] + list(flags)}
@@ -70,6 +71,11 @@ def _plan(tmp: Path, world: int) -> list[dict]:
             run("logra_tp2_resumed", *LG, *TP2, "--load", str(lg_ck / "iter_0000002")),
             run("logra_pp2_resumed", *LG, *PP2, "--load", str(lg_ck / "iter_0000002")),
             run("logra_dp2_resumed", *LG, "--load", str(lg_ck / "iter_0000002")),
+            run("logra_dp2_do_saving", *LG, *DO, "--save", str(lg_do_ck), "--save-interval", "2"),
+            # bf16 weights: fp32 masters (DP-sharded with DO) and the SR mode
+            run("logra_dp2_bf16", *LG, "--bf16"), run("logra_dp2_do_bf16", *LG, *DO, "--bf16"),
+            run("logra_dp2_sr", *LG, "--bf16", "--logra-master-weights", "none"),
+            run("logra_dp2_do_sr", *LG, *DO, "--bf16", "--logra-master-weights", "none"),
         ]
     return [
         run("tp2pp2", *TP2, *PP2), run("tp2dp2", *TP2),
@@ -77,6 +83,9 @@ def _plan(tmp: Path, world: int) -> list[dict]:
         run("tp2pp2_do_resumed", *TP2, *PP2, *DO, "--load", str(ck / "iter_0000002")),
         run("logra_tp2pp2", *LG, *TP2, *PP2), run("logra_tp2dp2", *LG, *TP2),
         run("logra_tp2pp2_resumed", *LG, *TP2, *PP2, "--load", str(lg_ck / "iter_0000002")),
+        run("logra_tp2dp2_do", *LG, *TP2, *DO),
+        # DP-sharded rows saved at DP2 (TP1), loaded as other row shards at TP2 x DP2
+        run("logra_tp2dp2_do_resumed", *LG, *TP2, *DO, "--load", str(lg_do_ck / "iter_0000002")),
     ]
 
 
@@ -140,7 +149,7 @@ def test_sketches_equal_dense_gradient_times_projection(results, name):
 
 
 LOGRA_LAYOUTS = ["logra_tp2", "logra_pp2", "logra_dp2", "logra_dp2_do", "logra_tp2pp2",
-                 "logra_tp2dp2", "logra_tp2_saving"]
+                 "logra_tp2dp2", "logra_tp2_saving", "logra_dp2_do_saving", "logra_tp2dp2_do"]
 
 
 @pytest.mark.parametrize("name", LOGRA_LAYOUTS)
@@ -165,6 +174,34 @@ def test_logra_resume_continues_exactly(results, name):
     got = results[name]
     assert got["steps"] == [3, 4]
     _assert_same(results["logra_tp2_saving"], got, name, steps=slice(2, None))
+
+
+def test_logra_dp_sharded_resume_continues_exactly(results):
+    """Row states saved split over DP2 come back as other row shards at TP2 x DP2."""
+    got = results["logra_tp2dp2_do_resumed"]
+    assert got["steps"] == [3, 4]
+    _assert_same(results["logra_dp2_do_saving"], got, "logra_tp2dp2_do_resumed",
+                 steps=slice(2, None))
+
+
+@pytest.mark.parametrize("mode", ["bf16", "sr"])
+def test_logra_dp_sharding_splits_state_and_keeps_the_update(results, mode):
+    """bf16 weights at DP2: with --use-distributed-optimizer each DP rank keeps the RowAdam row
+    states (and, in fp32-master mode, the fp32 masters) of half the rows; the update is the
+    one the unsharded run makes (row-wise math; only the norm sums' grouping differs)."""
+    plain, sharded = results[f"logra_dp2_{mode}"], results[f"logra_dp2_do_{mode}"]
+    full, half = plain["state_bytes"], sharded["state_bytes"]
+    assert half["row_states"] * 2 == full["row_states"] > 0, (full, half)
+    if mode == "bf16":
+        assert half["masters"] * 2 == full["masters"] > 0, (full, half)
+    else:
+        assert full["masters"] == half["masters"] == 0
+    assert half["sketches"] == full["sketches"]  # S is DP-reduced whole (out x r per weight)
+    for a, b in zip(plain["losses"], sharded["losses"]):
+        assert abs(a - b) <= 1e-3 * abs(a), (plain["losses"], sharded["losses"])
+    worst = max((plain["weights"][k].float() - sharded["weights"][k].float()).abs().max().item()
+                for k in plain["weights"])
+    assert worst <= 1e-3, worst
 
 
 def test_training_moves_the_weights(results):

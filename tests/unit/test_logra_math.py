@@ -202,3 +202,46 @@ def test_stochastic_rounding_is_unbiased_and_brackets_the_value():
     exact = torch.tensor([[1.5, -2.0, 0.0, float("inf")]])
     assert torch.equal(stochastic_round_bf16(exact, 3, torch.zeros(1, dtype=torch.int64), 0).float(),
                        exact)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_row_shards_partition_whole_rows(gated):
+    """Over the DP ranks the owned rows cover every local row exactly once, whole rows only,
+    and a gated fc1's shard holds the same piece of the gate and of the up half."""
+    from megatron_logra.logra.row_shards import plan_row_shard
+
+    out, dp = 24, 3
+    seen = []
+    for rank in range(dp):
+        shard = plan_row_shard(out, gated, dp, rank)
+        assert shard.sharded and shard.num_owned == out // dp
+        rows = torch.cat([torch.arange(out)[r] for r, _ in shard.pieces()])
+        assert torch.equal(shard.take(torch.arange(out)), rows)
+        if gated:
+            gate, up = rows[: out // (2 * dp)], rows[out // (2 * dp):]
+            assert torch.equal(up - out // 2, gate)
+        seen.append(rows)
+    assert torch.equal(torch.sort(torch.cat(seen)).values, torch.arange(out))
+
+
+def test_row_shards_fall_back_to_all_rows_when_not_divisible():
+    from megatron_logra.logra.row_shards import plan_row_shard
+
+    shard = plan_row_shard(10, True, 2, 1)  # halves of 5 rows do not split over 2 ranks
+    assert not shard.sharded and shard.num_owned == 10
+    assert plan_row_shard(10, False, 2, 1).pieces() == [(slice(5, 10), slice(0, 5))]
+
+
+def test_gated_fc1_local_rows_map_to_canonical_gate_and_up_rows():
+    """fc1 of a gated MLP holds [gate_t; up_t] per TP rank; the canonical (TP=1) rows are
+    [gate; up]. The TP ranks' rows together are every canonical row once."""
+    from types import SimpleNamespace
+
+    from megatron_logra.logra.sketches import _canonical_rows
+
+    module = SimpleNamespace(logra_parallel="column")
+    ffn, tp = 8, 2  # canonical rows: gate 0..7, up 8..15; each rank holds 4 + 4
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    r0, r1 = (_canonical_rows(module, name, 2 * ffn // tp, rank, tp, True) for rank in range(tp))
+    assert r0.tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert r1.tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
