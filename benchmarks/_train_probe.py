@@ -6,9 +6,12 @@ The spec names a model shape (random init; only its config is needed), a variant
 (dense Adam with megatron's distributed optimizer, or LoGRA in a precision mode),
 the device and the batch. The child counts model-state bytes by enumerating every
 tensor the model, DDP and the optimizers hold (storages counted once), then runs
-train steps on random tokens and reports step times and peak memory (CUDA max
-allocated; on CPU the peak RSS of the train steps (VmHWM reset after the build, so the
-build's transient copies do not count) minus the RSS after imports).
+train steps on random tokens and reports step times and peak memory: CUDA max
+allocated over the steps; on CPU the same quantity counted by hand, the bytes of
+Python-held tensors before the last step plus the peak of the live tensor storage
+allocated inside it (``runtime.live_bytes``; that step runs untimed, then a timed
+one). The CPU peak RSS over imports is reported beside it (allocator caching and
+freed-but-resident heap included, so it is no check of an analytic model).
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ def run(spec: dict) -> dict:
     from megatron_logra.model.logits import causal_inputs
     from megatron_logra.model.provider import ModelBuildConfig
     from megatron_logra.runtime.device import init_runtime, peak_memory_bytes, synchronize
+    from megatron_logra.runtime.live_bytes import LiveTensorBytes
     from megatron_logra.runtime.parallel import ParallelConfig, initialize
     from megatron_logra.training.setup import build_training_objects
     from megatron_logra.training.step import train_step
@@ -122,10 +126,14 @@ def run(spec: dict) -> dict:
         gc.collect()
         _release_freed_heap()
         _reset_peak_rss()
+    elif rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     g = torch.Generator().manual_seed(0)
     mbs, seq = spec["micro_batch_size"], spec["seq_length"]
     times = []
-    for _ in range(spec["steps"]):
+    live = LiveTensorBytes() if rt.device.type == "cpu" else None
+    for step in range(spec["steps"]):
+        last = step == spec["steps"] - 1
         batch = []
         for _ in range(spec["microbatches"]):
             tokens = torch.randint(0, arch.vocab_size, (mbs, seq), generator=g)
@@ -133,18 +141,34 @@ def run(spec: dict) -> dict:
             mb.update(labels=torch.roll(tokens, -1, 1), loss_mask=torch.ones(mbs, seq))
             batch.append(mb)
         synchronize()
+        if last and live is not None:  # CPU: live tensor bytes of the last step (timed apart)
+            held_before = sum(_storages(_python_held_tensors()).values())
+            with live:
+                train_step(objs, batch, seq_length=seq, micro_batch_size=mbs)
         t0 = time.perf_counter()
         train_step(objs, batch, seq_length=seq, micro_batch_size=mbs)
         synchronize()
         times.append(time.perf_counter() - t0)
-    peak = peak_memory_bytes() if rt.device.type == "cuda" else _rss() - imports_rss
+    if live is None:
+        peak = peak_memory_bytes()
+    else:
+        peak = held_before + live.peak_bytes
     state = model_state_bytes(objs)  # after the steps: Adam creates its state lazily
     n_params = sum(p.numel() for p in objs.model[0].parameters())
     return {"variant": spec["variant"], "device": str(rt.device), "params": n_params,
             "model_state_bytes": state,
-            "peak_mem_bytes": peak,  # CUDA max allocated; CPU peak RSS over imports
+            "peak_mem_bytes": peak,  # CUDA max allocated; CPU live tensor bytes (see above)
+            "peak_rss_bytes": _rss() - imports_rss if live is not None else None,
             "step_times_s": [round(t, 4) for t in times],
             "step_time_s": min(times[1:] if len(times) > 1 else times)}
+
+
+def _python_held_tensors():
+    import gc
+
+    import torch
+
+    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
 
 
 def _rss() -> int:

@@ -106,28 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_tasks(spec: str) -> tuple[tuple[str, float], ...]:
-    import reasoning_gym.factory
+def parse_tasks(spec: str, *, allow_math: bool = True) -> tuple[tuple[str, float], ...]:
+    """--task: reasoning-gym names with weights, a preset, or 'math' (rl.verifiers checks them)."""
+    from megatron_logra.rl.verifiers import MATH, resolve_tasks
 
-    known = set(reasoning_gym.factory.DATASETS)
-    tasks = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        name, _, weight = item.partition(":")
-        if name not in known:
-            close = sorted(k for k in known if name[:4] in k)[:5]
-            raise ConfigError(f"--task: unknown reasoning-gym task {name!r}"
-                              + (f" (did you mean {', '.join(close)}?)" if close else "")
-                              + "; see reasoning_gym.factory.DATASETS for the names")
-        try:
-            w = float(weight) if weight else 1.0
-        except ValueError:
-            raise ConfigError(f"--task: weight {weight!r} of {name} is not a number") from None
-        if w <= 0:
-            raise ConfigError(f"--task: weight of {name} must be > 0, got {w}")
-        tasks.append((name, w))
-    if not tasks:
-        raise ConfigError("--task: name at least one reasoning-gym task")
-    return tuple(tasks)
+    try:
+        tasks = resolve_tasks(spec)
+    except ValueError as e:
+        raise ConfigError(f"--task: {e}") from None
+    if not allow_math and any(name == MATH for name, _ in tasks):
+        raise ConfigError(f"--task: {MATH!r} has no SFT targets here; SFT takes reasoning-gym "
+                          "tasks (use it with --stage rl)")
+    return tasks
 
 
 def _check_positive(args: argparse.Namespace) -> None:
@@ -268,7 +258,8 @@ def parse_run_config(argv: list[str] | None = None, world_size: int | None = Non
             global_batch_size=args.global_batch_size, seq_length=args.seq_length,
             train_iters=args.train_iters, seed=args.seed, bf16=args.bf16,
             recompute_activations=args.recompute_activations, log_interval=args.log_interval),
-        data=DataConfig(tasks=parse_tasks(args.task), dataset_size=args.dataset_size,
+        data=DataConfig(tasks=parse_tasks(args.task, allow_math=args.stage != "sft"),
+                        dataset_size=args.dataset_size,
                         data_seed=args.data_seed),
         checkpoint=CheckpointConfig(save=args.save, save_interval=args.save_interval,
                                     load=args.load, load_format=load_format,

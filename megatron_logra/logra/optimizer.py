@@ -127,13 +127,14 @@ class LograOptimizer:
     def _lr(self) -> float:
         return float(self.dense.param_groups[0]["lr"])
 
-    def _directions(self) -> list[torch.Tensor]:
-        """D [owned rows, r] per sketched weight."""
+    def _directions(self) -> None:
+        """Turn each sketch's owned rows into D [owned rows, r] in place (the sketch buffer is
+        zeroed after the step anyway, so D costs no second out x r tensor per weight); in
+        "none" mode D is rounded to bf16 values, the payload a receiver gets."""
         cfg, sk = self.cfg, self.sketches
-        owned = [sh.take(slot.sketch) for sh, slot in zip(self.shards, sk.slots)]
         rhos = []
-        for v, s in zip(self.row_v, owned):
-            row_adam.update_row_moments(v, s, cfg.beta2)
+        for v, sh, slot in zip(self.row_v, self.shards, sk.slots):
+            row_adam.update_row_moments(v, sh.take(slot.sketch), cfg.beta2)
             rhos.append(row_adam.row_scale(v, self.steps, cfg.beta2))
         # mean rho per layer over its global rows: rows are split over DP (sharded weights)
         # and over TP (column-parallel weights)
@@ -145,8 +146,16 @@ class LograOptimizer:
         both = self._masked_sum(both, dp_split, parallel_state.get_data_parallel_group)
         both = self._masked_sum(both, tp_split, parallel_state.get_tensor_model_parallel_group)
         means = (both[0] / both[1].clamp(min=1)).tolist()
-        return [row_adam.direction(s, rho, mean, cfg.eps)
-                for s, rho, mean in zip(owned, rhos, means)]
+        for sh, slot, rho, mean in zip(self.shards, sk.slots, rhos, means):
+            for rows, state_rows in sh.pieces():
+                d = row_adam.direction_(slot.sketch[rows], rho[state_rows], mean, cfg.eps)
+                if cfg.master_weights == "none":
+                    d.copy_(d.to(torch.bfloat16))
+
+    def directions(self) -> list[torch.Tensor]:
+        """D [owned rows, r] per sketched weight, valid between ``_directions`` and the end of
+        the step (views of the sketch buffers, or a small copy for a DP-sharded gated fc1)."""
+        return [sh.take(slot.sketch) for sh, slot in zip(self.shards, self.sketches.slots)]
 
     def _masked_sum(self, values: torch.Tensor, mask: torch.Tensor, group_fn) -> torch.Tensor:
         """``values`` [..., n] with the columns where ``mask`` [n] holds summed over a group."""
@@ -162,16 +171,16 @@ class LograOptimizer:
     def _device(self) -> torch.device:
         return self.sketches.params[0].device if len(self.sketches) else torch.device("cpu")
 
-    def _global_norms(self, ds: list[torch.Tensor]) -> tuple[float, float]:
+    def _global_norms(self) -> tuple[float, float]:
         """(||W||^2, ||c-free update D A||^2) over every sketched weight of the model: partial
         sums over owned rows, summed over DP for sharded weights, then over TP and PP. A tied
         embedding's last-stage copy is the same matrix: counted once."""
         parts = torch.zeros(2, 2, dtype=torch.float64)  # [weight, update] x [replicated, sharded]
-        for param, slot, shard, d in zip(self.sketches.params, self.sketches.slots,
-                                         self.shards, ds):
+        for param, slot, shard in zip(self.sketches.params, self.sketches.slots, self.shards):
             if slot.duplicate:
                 continue
-            weight_sq = sum(float(torch.linalg.vector_norm(param[rows], dtype=torch.float32)) ** 2
+            d = shard.take(slot.sketch)
+            weight_sq = sum(row_adam.weight_sq_norm(param[rows], self.cfg.chunk_rows)
                             for rows, _ in shard.pieces())
             nonzero = _active_rows(d)
             update_sq = float(row_adam.update_sq_norm(d if nonzero is None else d[nonzero],
@@ -189,10 +198,8 @@ class LograOptimizer:
         cfg, sk = self.cfg, self.sketches
         update = self.steps  # 0-based index of this update
         self.steps += 1
-        ds = self._directions()
-        if cfg.master_weights == "none":  # the payload a receiver gets; applied exactly so
-            ds = [d.to(torch.bfloat16).float() for d in ds]
-        weight_sq, update_sq = self._global_norms(ds)
+        self._directions()
+        weight_sq, update_sq = self._global_norms()
         if cfg.update_ratio is not None:
             c = row_adam.norm_ratio_factor(cfg.update_ratio, weight_sq, update_sq)
         else:
@@ -204,13 +211,15 @@ class LograOptimizer:
         coefficient = alpha * c
         self.last_updates = {}
         dp_group = parallel_state.get_data_parallel_group() if cfg.shard_over_dp else None
-        for i, (param, slot, shard, d) in enumerate(zip(sk.params, sk.slots, self.shards, ds)):
+        for i, (param, slot, shard) in enumerate(zip(sk.params, sk.slots, self.shards)):
             seed = sk.seed_of(slot, update)
             for rows, state_rows in shard.pieces():
-                self._apply(i, param, slot, rows, state_rows, d[state_rows], coefficient, seed)
+                self._apply(i, param, slot, rows, state_rows, slot.sketch[rows], coefficient,
+                            seed)
             all_gather_rows(param.data, shard, dp_group)
             if self.keep_updates:
-                self.last_updates[slot.name] = SketchUpdate(d, coefficient, seed, shard)
+                self.last_updates[slot.name] = SketchUpdate(shard.take(slot.sketch).clone(),
+                                                            coefficient, seed, shard)
         self.last_stats = stats
         sk.zero()
         sk.refresh(update + 1)

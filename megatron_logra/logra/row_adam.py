@@ -40,6 +40,12 @@ def direction(sketch: torch.Tensor, rho: torch.Tensor, mean_rho: float | torch.T
     return sketch.float() / (rho + eps * mean_rho)[:, None]
 
 
+def direction_(sketch: torch.Tensor, rho: torch.Tensor, mean_rho: float | torch.Tensor,
+               eps: float) -> torch.Tensor:
+    """In place: an fp32 sketch [out, r] becomes D (as ``direction``); returns it."""
+    return sketch.div_((rho + eps * mean_rho)[:, None])
+
+
 def update_sq_norm(d: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     """||D A||_F^2 without forming D A: sum((D (A A^T)) * D), D [out, r], A [r, in].
 
@@ -48,6 +54,13 @@ def update_sq_norm(d: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     r^2 (in + out), under one D A product), fp64 sum."""
     gram = projection.float() @ projection.float().t()
     return ((d.float() @ gram) * d.float()).double().sum()
+
+
+def weight_sq_norm(weight: torch.Tensor, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> float:
+    """||W||_F^2 of a [out, in] block in fp64, ``chunk_rows`` rows at a time (a bf16 weight is
+    never upcast whole)."""
+    return sum(float(torch.linalg.vector_norm(weight[r0:r0 + chunk_rows], dtype=torch.float32))
+               ** 2 for r0 in range(0, weight.shape[0], chunk_rows))
 
 
 def norm_ratio_factor(update_ratio: float, weight_sq: float, update_sq: float) -> float:

@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # The paper's Reasoning-Gym Hard mixture.
@@ -57,9 +58,11 @@ def resolve_tasks(spec: str) -> tuple[tuple[str, float], ...]:
         if name in EXCLUDED:
             raise ValueError(f"task {name!r} is excluded: {EXCLUDED[name]}")
         if name != MATH and name not in known:
-            raise ValueError(f"unknown task {name!r}: use a reasoning-gym task name "
-                             f"({len(known)} known, e.g. basic_arithmetic), a preset "
-                             f"({', '.join(PRESETS)}) or {MATH!r}")
+            close = sorted(k for k in known if name[:4] in k)[:5]
+            raise ValueError(f"unknown task {name!r}"
+                             + (f" (did you mean {', '.join(close)}?)" if close else "")
+                             + f": use a reasoning-gym task name (reasoning_gym.factory.DATASETS,"
+                             f" {len(known)} known), a preset ({', '.join(PRESETS)}) or {MATH!r}")
         try:
             w = float(weight) if weight else 1.0
         except ValueError:
@@ -153,7 +156,7 @@ def score_one(task: str, answer: str, entry: dict) -> float:
 _SCORERS: dict = {}
 
 
-def _serve(conn) -> None:
+def _serve(conn, score_fn) -> None:
     """The scoring process: (task, answer, entry) -> ("ok", score) | ("error", message)."""
     os.chdir(tempfile.mkdtemp(prefix="verifier_"))
     while True:
@@ -161,7 +164,7 @@ def _serve(conn) -> None:
         if job is None:
             return
         try:
-            conn.send(("ok", score_one(*job)))
+            conn.send(("ok", score_fn(*job)))
         except Exception as exc:  # noqa: BLE001 - a scorer's failure scores 0
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -176,10 +179,14 @@ class ScoreResult:
 class Verifier:
     """Scores responses in a child process; restarts it after a timeout or a crash."""
 
-    def __init__(self, cfg: VerifierConfig):
+    def __init__(self, cfg: VerifierConfig, score_fn: Callable[[str, str, dict], float] = score_one):
+        """``score_fn(task, answer, entry) -> score``: a module-level function (the child
+        process imports it by name); tests pass scorers that hang, crash or raise."""
         if cfg.reward not in ("binary", "partial"):
             raise ValueError(f"--reward {cfg.reward!r}: choose binary or partial")
-        self.cfg = cfg
+        if cfg.timeout_s <= 0:
+            raise ValueError(f"--verifier-timeout {cfg.timeout_s}: must be > 0 seconds")
+        self.cfg, self.score_fn = cfg, score_fn
         self._proc = None
         self._conn = None
         self.failures: list[str] = []
@@ -187,7 +194,7 @@ class Verifier:
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self._proc = ctx.Process(target=_serve, args=(child, self.score_fn), daemon=True)
         self._proc.start()
         child.close()
 

@@ -64,13 +64,12 @@ def init_runtime(timeout_minutes: float = 10.0) -> Runtime:
 
         apply_cpu_shims()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        dist.init_process_group(backend=backend,
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        if "WORLD_SIZE" in os.environ:  # torchrun (or a caller that set the env:// variables)
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:  # one process; nothing written to os.environ, so child processes inherit no port
+            dist.init_process_group(backend=backend, timeout=timeout, rank=0, world_size=1,
+                                    init_method=f"tcp://127.0.0.1:{_free_port()}")
     _RUNTIME = Runtime(device=device, backend=backend, rank=dist.get_rank(),
                        world_size=dist.get_world_size(),
                        local_rank=int(os.environ.get("LOCAL_RANK", "0")))

@@ -1,0 +1,126 @@
+"""Verifier registry and scoring (real reasoning-gym and math-verify scorers, and scorers
+that hang, crash or raise), and the RL math (GRPO, running baseline, TIS, PG loss)
+against hand-computed cases."""
+
+import math
+
+import pytest
+import torch
+
+from fake_scorers import misbehaving
+from megatron_logra.rl import advantages as adv
+from megatron_logra.rl.verifiers import (PRESETS, RLItem, Verifier, VerifierConfig,
+                                         extract_answer, generate_rl_items, resolve_tasks)
+
+
+def test_task_specs_resolve_presets_weights_and_math():
+    assert resolve_tasks("rg-hard") == tuple((n, 1.0) for n in PRESETS["rg-hard"])
+    assert resolve_tasks("basic_arithmetic:2, math") == (("basic_arithmetic", 2.0), ("math", 1.0))
+    with pytest.raises(ValueError, match=r"did you mean basic_arithmetic"):
+        resolve_tasks("basic_arithmetik")
+    with pytest.raises(ValueError, match="excluded: its scorer gives any non-empty answer"):
+        resolve_tasks("game_of_life_halting")
+    with pytest.raises(ValueError, match="must be > 0"):
+        resolve_tasks("chain_sum:0")
+
+
+def test_answer_extraction_takes_the_last_tag():
+    assert extract_answer("think <answer>1</answer> no, <answer> 12 </answer>") == "12"
+    assert extract_answer("  42 \n") == "42"
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    v = Verifier(VerifierConfig(timeout_s=20.0))
+    yield v
+    v.close()
+
+
+def test_reasoning_gym_and_math_answers_are_scored_by_their_own_scorers(verifier):
+    items = generate_rl_items((("basic_arithmetic", 1.0), ("math", 1.0)), 4, seed=3)
+    assert [i.task for i in items] == ["basic_arithmetic"] * 2 + ["math"] * 2
+    for item in items:
+        right = verifier.score(item, f"<answer>{item.answer}</answer>")
+        wrong = verifier.score(item, "<answer>-987654.25</answer>")
+        assert (right.reward, right.status, wrong.reward) == (1.0, "ok", 0.0), item
+    math_item = items[2]
+    boxed = verifier.score(math_item, f"so the answer is $\\boxed{{{math_item.answer}}}$")
+    assert boxed.reward == 1.0
+
+
+def test_partial_credit_and_binary_threshold():
+    item = RLItem("fake", "q", "a", {}, 0)
+    binary = Verifier(VerifierConfig(timeout_s=20.0), score_fn=misbehaving)
+    partial = Verifier(VerifierConfig(reward="partial", timeout_s=20.0), score_fn=misbehaving)
+    try:
+        assert binary.score(item, "0.5").reward == 0.0
+        assert binary.score(item, "1.0").reward == 1.0
+        result = partial.score(item, "0.5")
+        assert (result.reward, result.score) == (0.5, 0.5)
+    finally:
+        binary.close()
+        partial.close()
+
+
+def test_hanging_crashing_and_raising_scorers_cost_one_zero_reward_each():
+    item = RLItem("fake", "q", "a", {}, 7)
+    v = Verifier(VerifierConfig(timeout_s=3.0), score_fn=misbehaving)
+    try:
+        assert v.score(item, "1.0").reward == 1.0  # also warms the child up
+        hang = v.score(item, "hang")
+        assert (hang.reward, hang.status) == (0.0, "timeout")
+        assert v.score(item, "1.0").reward == 1.0  # a fresh child after the kill
+        crash = v.score(item, "crash")
+        assert crash.reward == 0.0 and "scorer process died" in crash.status
+        raised = v.score(item, "raise")
+        assert raised.reward == 0.0 and "ZeroDivisionError: scorer bug" in raised.status
+        assert v.score(item, "1.0").reward == 1.0
+        assert len(v.failures) == 3 and all("fake item 7" in f for f in v.failures)
+    finally:
+        v.close()
+
+
+def test_bad_verifier_settings_are_refused():
+    with pytest.raises(ValueError, match="choose binary or partial"):
+        Verifier(VerifierConfig(reward="soft"))
+    with pytest.raises(ValueError, match="must be > 0 seconds"):
+        Verifier(VerifierConfig(timeout_s=0))
+
+
+def test_grpo_advantages_by_hand():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    a = adv.grpo_advantages(rewards, eps=0.0 + 1e-12)
+    assert torch.allclose(a[0], torch.tensor([1.0, -1.0, -1.0, 1.0]))  # mean .5, std .5
+    assert torch.equal(a[1], torch.zeros(4))  # no signal in an all-equal group
+    assert torch.allclose(adv.grpo_advantages(rewards, scale_by_std=False)[0],
+                          torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    with pytest.raises(ValueError, match="prompts, responses per prompt"):
+        adv.grpo_advantages(torch.ones(4))
+
+
+def test_running_baseline_by_hand_and_its_state():
+    b = adv.RunningBaseline(decay=0.5)
+    assert torch.equal(b.advantages(torch.tensor([1.0, 0.0])), torch.tensor([0.5, -0.5]))
+    assert b.value == 0.5  # 0.5 * 0.5 + 0.5 * 0.5
+    assert torch.equal(b.advantages(torch.tensor([1.0, 1.0])), torch.tensor([0.5, 0.5]))
+    assert b.value == 0.75
+    restored = adv.RunningBaseline()
+    restored.load_state_dict(b.state_dict())
+    assert restored == b
+
+
+def test_truncated_importance_weights_and_loss_by_hand():
+    train = torch.tensor([[math.log(0.5), math.log(0.9)]], requires_grad=True)
+    rollout = torch.tensor([[math.log(0.25), math.log(0.3)]])
+    w = adv.truncated_importance_weights(train, rollout, cap=2.5)
+    assert torch.allclose(w, torch.tensor([[2.0, 2.5]]))  # 0.5/0.25 = 2; 0.9/0.3 = 3 -> cap
+    assert not w.requires_grad
+    mask = torch.tensor([[1.0, 0.0]])
+    loss = adv.policy_gradient_loss_sum(train, torch.tensor([3.0]), mask, w)
+    assert torch.isclose(loss, torch.tensor(-3.0 * 2.0 * math.log(0.5)))
+    loss.backward()
+    assert torch.allclose(train.grad, torch.tensor([[-6.0, 0.0]]))  # masked token: no grad
+    mism = adv.logprob_mismatch(train.detach(), rollout, torch.ones(1, 2))
+    assert math.isclose(mism, (math.log(2.0) + math.log(3.0)) / 2, rel_tol=1e-6)
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        adv.truncated_importance_weights(train, rollout, cap=0.0)
