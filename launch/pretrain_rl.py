@@ -25,9 +25,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from megatron_logra.training.trainer import run_sft
+    if cfg.training.stage == "rl":
+        from megatron_logra.rl.loop import run_rl
 
-    run_sft(cfg)
+        run_rl(cfg)
+    else:
+        from megatron_logra.training.trainer import run_sft
+
+        run_sft(cfg)
     return 0
 
 

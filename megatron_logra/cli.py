@@ -17,9 +17,11 @@ from megatron_logra.config import (
     LograConfig,
     ModelSource,
     OptimizerConfig,
+    RLConfig,
     RunConfig,
     TrainingConfig,
 )
+from megatron_logra.cli_rl import add_rl_arguments, rl_config
 from megatron_logra.model.tiny_assets import EMBEDDED_DEFAULT
 from megatron_logra.runtime.parallel import ParallelConfig
 
@@ -93,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reasoning-gym tasks with optional weights: NAME[:WEIGHT],...")
     g.add_argument("--dataset-size", type=int, default=2000, help="items generated per run")
     g.add_argument("--data-seed", type=int, default=None, help="task seed (default: --seed)")
+    add_rl_arguments(p)
     g = p.add_argument_group("checkpointing and output")
     g.add_argument("--output-dir", default="runs/latest", help="config.json + metrics.jsonl")
     g.add_argument("--save", default=None, help="checkpoint directory")
@@ -219,6 +222,13 @@ def parse_run_config(argv: list[str] | None = None, world_size: int | None = Non
         dp = parallel.data_parallel_size(world_size)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    rl = RLConfig()
+    if args.stage == "rl":
+        try:
+            rl = rl_config(args, dp)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        args.global_batch_size = rl.prompts_per_step * rl.responses_per_prompt
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ConfigError(
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
@@ -239,9 +249,6 @@ def parse_run_config(argv: list[str] | None = None, world_size: int | None = Non
         raise ConfigError(f"--seq-length {args.seq_length} exceeds the model's "
                           f"max_position_embeddings={arch.max_position_embeddings}; use at most that")
     logra = _logra_config(args, arch, parallel) if args.optimizer == "logra" else LograConfig()
-    if args.stage == "rl":
-        raise ConfigError("--stage rl is not available yet (it lands with the RL issue); "
-                          "use --stage sft")
     return RunConfig(
         model=ModelSource(model_dir, args.tokenizer_model),
         output_dir=args.output_dir,
@@ -264,4 +271,5 @@ def parse_run_config(argv: list[str] | None = None, world_size: int | None = Non
         checkpoint=CheckpointConfig(save=args.save, save_interval=args.save_interval,
                                     load=args.load, load_format=load_format,
                                     finetune=weights_only),
+        rl=rl,
     )

@@ -84,6 +84,43 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class KLControlConfig:
+    """Predicted-KL step control (logra-method.md section 3)."""
+
+    mode: str = "none"  # none | predicted
+    budget_start: float = 2e-4  # KL budget per update, cosine-decayed ...
+    budget_end: float = 2e-5  # ... to this
+    budget_steps: int = 300  # over this many updates
+    alpha_max: float = 3.0
+    probe_responses: int = 2  # responses per DP rank the prediction is computed on
+    mismatch_decay: float = 0.7  # m <- decay m + (1 - decay) max(0, mean(gen - prev))
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """The RL stage (``--stage rl``): rollouts, rewards, advantages, evaluation."""
+
+    algorithm: str = "grpo"  # grpo | reinforce (running baseline)
+    prompts_per_step: int = 8
+    responses_per_prompt: int = 4  # the global batch is prompts x responses sequences
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    rollout_seed: int = 0
+    tis_cap: float | None = 2.0  # truncated importance sampling cap; None: off
+    baseline_decay: float = 0.9  # reinforce
+    reward: str = "binary"  # binary | partial
+    verifier_timeout_s: float = 10.0
+    eval_interval: int = 0  # updates between evaluations (0: only before and after)
+    eval_prompts: int = 32
+    eval_samples: int = 4  # k of pass@k
+    rollout_tensor_parallel_size: int = 1
+    rollout_dtype: str = "float32"  # float32 | bfloat16
+    rollout_kv_cache_gib: float = 1.0
+    sync_bucket_mb: int = 64
+    kl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelSource
     output_dir: str
@@ -92,6 +129,7 @@ class RunConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -54,6 +54,22 @@ def collate(samples: list[EncodedSample], seq_length: int, pad_id: int) -> dict[
     }
 
 
+def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
+    """Indices into n items of update ``step`` (0-based): consecutive batches walk epochs of
+    seeded permutations, a pure function of (n, batch_size, step, seed)."""
+    start = step * batch_size
+    out: list[int] = []
+    orders: dict[int, list[int]] = {}
+    while len(out) < batch_size:
+        epoch, offset = divmod(start + len(out), n)
+        if epoch not in orders:
+            gen = torch.Generator().manual_seed(seed * 100003 + epoch)
+            orders[epoch] = torch.randperm(n, generator=gen).tolist()
+        take = min(batch_size - len(out), n - offset)
+        out.extend(orders[epoch][offset: offset + take])
+    return out
+
+
 class SFTBatches:
     """The global batch of every update, and this DP rank's microbatches of it."""
 
@@ -68,22 +84,9 @@ class SFTBatches:
         self.pad_id = pad_id
         self.seed = seed
 
-    def _epoch_order(self, epoch: int) -> list[int]:
-        gen = torch.Generator().manual_seed(self.seed * 100003 + epoch)
-        return torch.randperm(len(self.samples), generator=gen).tolist()
-
     def global_indices(self, step: int) -> list[int]:
         """Sample indices of update ``step`` (0-based), walking epochs of permutations."""
-        n = len(self.samples)
-        start = step * self.global_batch_size
-        out = []
-        while len(out) < self.global_batch_size:
-            pos = start + len(out)
-            epoch, offset = divmod(pos, n)
-            order = self._epoch_order(epoch)
-            take = min(self.global_batch_size - len(out), n - offset)
-            out.extend(order[offset: offset + take])
-        return out
+        return batch_indices(len(self.samples), self.global_batch_size, step, self.seed)
 
     def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict[str, torch.Tensor]]:
         indices = self.global_indices(step)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -22,19 +23,25 @@ class StepResult:
     update_successful: bool
 
 
-def _loss_func(vocab_size: int, labels: torch.Tensor, loss_mask: torch.Tensor,
-               logits: torch.Tensor):
-    nll = token_nll(logits, labels, vocab_size)
+LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor], tuple]
+"""(microbatch, vocab-parallel logits [b, s, Vp/TP]) -> (loss_sum, num_tokens, {"lm loss":
+tensor([loss_sum, tokens, ...])}): megatron's per-token-loss contract."""
+
+
+def nll_loss(vocab_size: int, batch: dict[str, torch.Tensor], logits: torch.Tensor):
+    """Supervised loss: summed NLL of the loss-masked tokens."""
+    loss_mask = batch["loss_mask"]
+    nll = token_nll(logits, batch["labels"], vocab_size)
     loss_sum = (nll * loss_mask).sum()
     num_tokens = loss_mask.sum().to(torch.int)
     report = torch.stack([loss_sum.detach().float(), loss_mask.sum().detach().float()])
     return loss_sum, num_tokens, {"lm loss": report}
 
 
-def _forward_step(vocab_size: int, data_iterator, model):
+def _forward_step(loss_fn: LossFn, data_iterator, model):
     batch = next(data_iterator)
     logits = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
-    return logits, partial(_loss_func, vocab_size, batch["labels"], batch["loss_mask"])
+    return logits, partial(loss_fn, batch)
 
 
 def _to_device(microbatches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
@@ -42,27 +49,43 @@ def _to_device(microbatches: list[dict[str, torch.Tensor]]) -> list[dict[str, to
     return [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in microbatches]
 
 
-def global_loss(reports: list[dict]) -> tuple[float, int]:
-    """(mean loss, tokens) over the whole global batch, from each last-stage rank's reports.
-
-    Every rank takes part; TP peers of the last stage hold equal sums, so the ratio is exact.
-    """
-    total = torch.zeros(2, dtype=torch.float64, device=current_device())
+def global_report_sums(reports: list[dict], width: int) -> list[float]:
+    """The loss reports (``width`` numbers each) summed over the global batch. Every rank
+    takes part (ranks off the last stage contribute zeros); the last stage's TP peers hold
+    equal sums, so the total is divided by TP."""
+    total = torch.zeros(width, dtype=torch.float64, device=current_device())
     for report in reports:
         total += report["lm loss"].to(total)
     dist.all_reduce(total)
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    loss_sum, count = total[0].item(), total[1].item()
-    return (loss_sum / count if count else float("nan")), int(round(count / tp))
+    return (total / tp).tolist()
+
+
+def global_loss(reports: list[dict]) -> tuple[float, int]:
+    """(mean loss, tokens) over the whole global batch, from each last-stage rank's reports."""
+    width = reports[0]["lm loss"].numel() if reports else 2
+    width = _agree_on_width(width)
+    sums = global_report_sums(reports, width)
+    loss_sum, count = sums[0], sums[1]
+    return (loss_sum / count if count else float("nan")), int(round(count))
+
+
+def _agree_on_width(width: int) -> int:
+    """Ranks without reports (not the last stage) learn the report width from those with."""
+    t = torch.tensor([width], dtype=torch.int64, device=current_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def forward_backward(model, microbatches, *, seq_length: int, micro_batch_size: int,
-                     vocab_size: int, forward_only: bool = False) -> list[dict]:
+                     vocab_size: int, forward_only: bool = False,
+                     loss_fn: LossFn | None = None) -> list[dict]:
+    """megatron's schedule over the microbatches; ``loss_fn`` defaults to ``nll_loss``."""
     for chunk in model:
         chunk.zero_grad_buffer()
     batches = _to_device(microbatches)
     return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, vocab_size),
+        forward_step_func=partial(_forward_step, loss_fn or partial(nll_loss, vocab_size)),
         data_iterator=iter(batches),
         model=model,
         num_microbatches=len(batches),
@@ -72,11 +95,15 @@ def forward_backward(model, microbatches, *, seq_length: int, micro_batch_size: 
     )
 
 
-def train_step(objs, microbatches, *, seq_length: int, micro_batch_size: int) -> StepResult:
+def train_step(objs, microbatches, *, seq_length: int, micro_batch_size: int,
+               loss_fn: LossFn | None = None, reports_out: list | None = None) -> StepResult:
+    """One update. ``reports_out`` (a list) receives the last stage's loss reports."""
     objs.optimizer.zero_grad()
     reports = forward_backward(objs.model, microbatches, seq_length=seq_length,
                                micro_batch_size=micro_batch_size,
-                               vocab_size=objs.arch.vocab_size)
+                               vocab_size=objs.arch.vocab_size, loss_fn=loss_fn)
+    if reports_out is not None:
+        reports_out.extend(reports)
     ok, grad_norm, _ = objs.optimizer.step()
     if ok:
         objs.scheduler.step(increment=1)

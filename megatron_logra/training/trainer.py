@@ -52,7 +52,24 @@ def _checkpoint_meta(cfg: RunConfig, arch) -> dict:
                 cfg.optimizer.use_distributed_optimizer)}
 
 
-def run_sft(cfg: RunConfig) -> RunResult:
+@dataclass
+class Prepared:
+    """What every stage starts from: the built (and loaded) training objects."""
+
+    objs: TrainingObjects
+    tokenizer: object
+    start_step: int
+    extra_state: dict | None  # the checkpoint's extra state when resuming
+    checkpoint_meta: dict
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+
+def prepare_training(cfg: RunConfig) -> Prepared:
+    """Runtime + parallel groups, model + optimizer, then --load (HF weights, or a checkpoint
+    to resume or to finetune from); writes config.json. Shared by the SFT and RL stages."""
     rt = init_runtime()
     parallel.initialize(cfg.parallel, rt.world_size, cfg.training.seed)
     is_logger = rt.rank == 0
@@ -64,7 +81,7 @@ def run_sft(cfg: RunConfig) -> RunResult:
                              recompute_activations=cfg.training.recompute_activations)
     objs = build_training_objects(arch, build, cfg.optimizer, seed=cfg.training.seed,
                                   train_iters=cfg.training.train_iters)
-    start_step = 0
+    start_step, extra = 0, None
     ck = cfg.checkpoint
     if ck.load and ck.load_format == "hf":
         load_hf_weights(objs.model, arch, ck.load)
@@ -78,11 +95,12 @@ def run_sft(cfg: RunConfig) -> RunResult:
         if not ck.finetune:
             start_step = int(meta["step"])
             objs.scheduler.load_state_dict(extra["scheduler"])
+        else:
+            extra = None
         if is_logger:
             print(f"loaded {checkpointing.resolve_load_dir(ck.load)} "
                   f"({'weights only' if ck.finetune else f'resuming at step {start_step}'})",
                   flush=True)
-    batches = build_sft_batches(cfg, tokenizer)
     out_dir = Path(cfg.output_dir)
     if is_logger:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -90,6 +108,16 @@ def run_sft(cfg: RunConfig) -> RunResult:
             {"run": cfg.to_dict(), "arch": arch.to_dict(), "world_size": rt.world_size,
              "data_parallel_size": parallel_state.get_data_parallel_world_size(),
              "device": str(rt.device), "backend": rt.backend}, indent=1))
+    return Prepared(objs, tokenizer, start_step, extra, _checkpoint_meta(cfg, arch))
+
+
+def run_sft(cfg: RunConfig) -> RunResult:
+    prep = prepare_training(cfg)
+    objs, tokenizer, start_step, ck = prep.objs, prep.tokenizer, prep.start_step, cfg.checkpoint
+    arch = objs.arch
+    is_logger = dist.get_rank() == 0
+    out_dir = Path(cfg.output_dir)
+    batches = build_sft_batches(cfg, tokenizer)
     log = MetricsLog(out_dir, enabled=is_logger, resume=start_step > 0)
     result = RunResult(objects=objs)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -116,7 +144,7 @@ def run_sft(cfg: RunConfig) -> RunResult:
         if ck.save and ((ck.save_interval and (step + 1) % ck.save_interval == 0) or last):
             result.last_checkpoint = checkpointing.save_checkpoint(
                 ck.save, step + 1, objs, {"scheduler": objs.scheduler.state_dict()},
-                _checkpoint_meta(cfg, arch))
+                prep.checkpoint_meta)
             if is_logger:
                 print(f"saved checkpoint {result.last_checkpoint}", flush=True)
     if is_logger:

@@ -21,6 +21,12 @@ EXPECTED_FLAGS = {
     "--use-distributed-optimizer", "--weight-decay", "-h", "--help",
     "--logra-rank", "--logra-projection", "--logra-refresh-interval", "--logra-targets",
     "--logra-beta2", "--logra-eps", "--logra-update-ratio", "--logra-master-weights",
+    "--algorithm", "--prompts-per-step", "--responses-per-prompt", "--max-new-tokens",
+    "--temperature", "--rollout-seed", "--tis-cap", "--baseline-decay", "--reward",
+    "--verifier-timeout", "--eval-interval", "--eval-prompts", "--eval-samples",
+    "--rollout-tensor-parallel-size", "--rollout-dtype", "--rollout-kv-cache-gib",
+    "--sync-bucket-mb", "--kl-control", "--kl-budget", "--kl-budget-final", "--kl-budget-steps",
+    "--kl-alpha-max", "--kl-probe-responses",
 }
 
 
@@ -55,6 +61,13 @@ def test_valid_command_line_gives_frozen_config():
     (["--task", "basic_arithmetik"], 1, r"unknown task 'basic_arithmetik' \(did you mean basic_arithmetic"),
     (["--task", "math"], 1, "'math' has no SFT targets"),
     (["--task", "chain_sum:-1"], 1, "must be > 0"),
+    (["--stage", "rl", "--prompts-per-step", "3", "--micro-batch-size", "8"], 1,
+     "RL global batch, --prompts-per-step x --responses-per-prompt = 12, is not divisible"),
+    (["--stage", "rl", "--responses-per-prompt", "1"], 1, "grpo needs --responses-per-prompt >= 2"),
+    (["--stage", "rl", "--temperature", "0"], 1, "--temperature 0.0 must be > 0"),
+    (["--stage", "rl", "--max-new-tokens", "300", "--seq-length", "256"], 1, "raise --seq-length"),
+    (["--stage", "rl", "--kl-budget", "1e-5", "--kl-budget-final", "1e-4"], 1,
+     "--kl-budget-final <= --kl-budget"),
     (["--model-dir", "/nonexistent/model"], 1, "no config.json"),
     (["--tokenizer-model", "/nonexistent/sp.model"], 1, "file not found"),
     (["--load", "/nonexistent/ckpt"], 1, "does not exist"),
@@ -72,6 +85,15 @@ def test_valid_command_line_gives_frozen_config():
 def test_bad_command_lines_name_problem_and_fix(argv, world, match):
     with pytest.raises(ConfigError, match=match):
         parse_run_config(argv, world_size=world)
+
+
+def test_rl_flags_give_their_config_and_the_global_batch():
+    cfg = parse_run_config(["--stage", "rl", "--prompts-per-step", "4", "--responses-per-prompt",
+                            "6", "--tis-cap", "0", "--kl-control", "predicted", "--algorithm",
+                            "reinforce", "--micro-batch-size", "2"], world_size=2)
+    assert cfg.training.global_batch_size == 24
+    assert (cfg.rl.prompts_per_step, cfg.rl.responses_per_prompt, cfg.rl.tis_cap) == (4, 6, None)
+    assert cfg.rl.kl.mode == "predicted" and cfg.rl.algorithm == "reinforce"
 
 
 def test_logra_flags_give_its_config():

@@ -1,0 +1,335 @@
+"""The RL stage (``--stage rl``): rollouts -> rewards -> advantages -> update -> weight sync.
+
+Rank 0 drives the rollout engine (a vLLM process, ``rl.engine``) and the verifier;
+every rank trains. Per update:
+
+1. rank 0 samples P prompts x G responses from the engine (which serves exactly the
+   trainer's current weights, version = updates done), scores them and computes the
+   advantages; the rollouts are broadcast to all ranks;
+2. the trainer takes one policy-gradient step (dense Adam or LoGRA) on them, with
+   truncated importance weights against the rollout logprobs;
+3. the new weights are pushed to the engine (``weight_push.full_push``) and committed.
+
+If the engine dies or refuses (any vLLM RPC failure kills it), rank 0 restarts it,
+the job pushes the weights again, and the update goes on. Evaluations (pass@1,
+pass@k on held-out prompts) run before training, every ``--eval-interval`` updates
+and at the end. Checkpoints hold the policy, the optimizer, the scheduler, the
+baseline, the KL controller and the update index (prompts and sampling seeds are
+functions of it), so a resumed run continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_logra.config import RunConfig
+from megatron_logra.data.tokenizer import load_tokenizer
+from megatron_logra.rl import advantages as adv
+from megatron_logra.rl import rollouts
+from megatron_logra.rl.engine import EngineConfig, EngineError, RolloutEngine
+from megatron_logra.rl.policy_loss import (REPORT_KEYS, RolloutSample, collate_rollouts,
+                                           policy_gradient_loss)
+from megatron_logra.rl.verifiers import Verifier, VerifierConfig, generate_rl_items
+from megatron_logra.rl.weight_push import full_push, plan_push
+from megatron_logra.runtime.device import peak_memory_bytes, synchronize
+from megatron_logra.training import checkpointing
+from megatron_logra.training.metrics import MetricsLog
+from megatron_logra.training.step import global_report_sums, train_step
+from megatron_logra.training.trainer import RunResult, prepare_training
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class _Driver:
+    """Rank 0's engine, verifier and prompts (None elsewhere)."""
+
+    engine_cfg: EngineConfig
+    verifier: Verifier
+    train_prompts: list
+    eval_prompts: list
+    tokenizer: object
+
+
+@dataclass
+class SyncStats:
+    bytes: int = 0
+    seconds: float = 0.0
+    restarts: int = 0
+    pushes: int = field(default=0)
+
+
+class RLRun:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.prep = prepare_training(cfg)
+        self.objs = self.prep.objs
+        self.rank = dist.get_rank()
+        self.dtype = _DTYPES[cfg.rl.rollout_dtype]
+        self.plan = plan_push(self.objs.model, self.objs.arch)
+        self.baseline = adv.RunningBaseline(cfg.rl.baseline_decay)
+        extra = self.prep.extra_state or {}
+        if "rl" in extra:
+            self.baseline.load_state_dict(extra["rl"]["baseline"])
+        self.sync = SyncStats()
+        self.driver = self._start_driver() if self.rank == 0 else None
+        self.engine: RolloutEngine | None = None  # rank 0, once the first push wrote its weights
+        self.version = self.prep.start_step
+        self.push_weights()  # the engine starts from the trainer's weights
+
+    # --- rank 0: engine, verifier, prompts -------------------------------------------------
+    def _start_driver(self) -> _Driver:
+        cfg, rl = self.cfg, self.cfg.rl
+        tokenizer = load_tokenizer(cfg.model.model_dir, cfg.model.tokenizer_model)
+        seed = self._data_seed()
+        items = generate_rl_items(cfg.data.tasks, cfg.data.dataset_size, seed)
+        prompts = rollouts.encode_prompts(items, tokenizer,
+                                          cfg.training.seq_length - rl.max_new_tokens)
+        if len(prompts) <= rl.eval_prompts:
+            raise ValueError(f"only {len(prompts)} prompts fit --seq-length - --max-new-tokens; "
+                             f"raise --dataset-size or --seq-length (need > --eval-prompts)")
+        engine_cfg = EngineConfig(
+            str(self._engine_init_dir()), max_model_len=cfg.training.seq_length + 1,
+            dtype=rl.rollout_dtype, kv_cache_gib=rl.rollout_kv_cache_gib,
+            tensor_parallel_size=rl.rollout_tensor_parallel_size, seed=rl.rollout_seed)
+        print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",
+              flush=True)
+        verifier = Verifier(VerifierConfig(reward=rl.reward, timeout_s=rl.verifier_timeout_s))
+        return _Driver(engine_cfg, verifier, prompts[rl.eval_prompts:], prompts[:rl.eval_prompts],
+                       tokenizer)
+
+    def _data_seed(self) -> int:
+        d = self.cfg.data
+        return d.data_seed if d.data_seed is not None else self.cfg.training.seed
+
+    def _engine_init_dir(self) -> Path:
+        """config + tokenizer of the model folder; the weights come with the first push."""
+        out = Path(self.cfg.output_dir) / "engine_init"
+        out.mkdir(parents=True, exist_ok=True)
+        for f in Path(self.cfg.model.model_dir).iterdir():
+            if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".gguf")) \
+                    and not f.name.endswith(".index.json"):
+                shutil.copy2(f, out / f.name)
+        return out
+
+    # --- weight sync (collective) ----------------------------------------------------------
+    def push_weights(self) -> None:
+        """Push the trainer's weights as version ``self.version``; restart and retry on
+        failure (every rank takes part: the push is a collective)."""
+        for attempt in range(3):
+            t0 = time.perf_counter()
+            failed, sent = self._push_once()
+            flag = torch.tensor([int(bool(failed))])
+            dist.broadcast(flag, src=0)
+            self.sync.seconds += time.perf_counter() - t0
+            if not flag.item():
+                self.sync.bytes += sent
+                self.sync.pushes += 1
+                return
+            if self.rank == 0:
+                print(f"weight push failed ({failed}); restarting the engine", flush=True)
+                self._restart_engine()
+        raise RuntimeError("weight push failed 3 times: see the engine errors above")
+
+    def _push_once(self) -> tuple[str, int]:
+        """(failure message or "", bytes sent). The very first push writes the engine's
+        start-up weights instead (then starts it from them)."""
+        starting = self.rank == 0 and self.engine is None
+        failed, sent, saved = "", 0, {}
+        buckets = full_push(self.objs.model, self.objs.arch, self.plan, dtype=self.dtype,
+                            bucket_bytes=self.cfg.rl.sync_bucket_mb * 2**20)
+        for bucket in buckets:  # rank 0 only; other ranks send inside the generator
+            if starting:
+                saved.update(bucket)
+            elif not failed:  # after a failure: drain, the other ranks are still sending
+                try:
+                    sent += self.engine.load(bucket)
+                except (EngineError, ValueError) as exc:
+                    failed = str(exc)
+        if self.rank != 0:
+            return "", 0
+        if starting:
+            from safetensors.torch import save_file
+
+            save_file(saved, str(Path(self.driver.engine_cfg.model_dir) / "model.safetensors"))
+            self.engine = RolloutEngine(self.driver.engine_cfg)
+            self.engine.assume_version(self.version)
+            rl = self.cfg.rl
+            print(f"rollout engine up in {self.engine.startup_s:.1f}s (vLLM {rl.rollout_dtype}, "
+                  f"TP{rl.rollout_tensor_parallel_size})", flush=True)
+            return "", sum(t.numel() * t.element_size() for t in saved.values())
+        if not failed:
+            try:
+                self.engine.commit(self.version)
+            except EngineError as exc:
+                failed = str(exc)
+        return failed, sent
+
+    def _restart_engine(self) -> None:
+        self.engine.restart()
+        self.sync.restarts += 1
+
+    # --- rollouts (rank 0 generates; the result is broadcast) ------------------------------
+    def generate(self, requests) -> list:
+        """Completions of ``requests`` (rank 0), restarting + resyncing the engine if needed."""
+        for _ in range(3):
+            done, status = None, ""
+            if self.rank == 0:
+                try:
+                    done = self.engine.generate(requests, self.version)
+                except EngineError as exc:
+                    status = str(exc)
+                    print(f"rollout failed ({status}); restarting the engine", flush=True)
+                    self._restart_engine()
+            flag = torch.tensor([int(bool(status))])
+            dist.broadcast(flag, src=0)
+            if not flag.item():
+                return done
+            self.push_weights()
+        raise RuntimeError("rollouts failed 3 times: see the engine errors above")
+
+    # --- one update ------------------------------------------------------------------------
+    def rollout_batch(self, update: int) -> tuple[list[RolloutSample] | None, dict]:
+        rl = self.cfg.rl
+        stats: dict = {}
+        requests = prompts = None
+        if self.rank == 0:
+            prompts, requests = rollouts.step_requests(self.driver.train_prompts, rl, update,
+                                                       self._data_seed())
+        t0 = time.perf_counter()
+        completions = self.generate(requests)
+        stats["rollout_time_s"] = time.perf_counter() - t0
+        payload = [None]
+        if self.rank == 0:
+            rewards = rollouts.score(self.driver.verifier, self.driver.tokenizer, prompts,
+                                     completions, rl.responses_per_prompt)
+            r = torch.tensor(rewards, dtype=torch.float32)
+            if rl.algorithm == "grpo":
+                a = adv.grpo_advantages(r)
+            else:
+                a = self.baseline.advantages(r)
+            samples = [RolloutSample(p.ids, c.token_ids, c.logprobs, float(a.flatten()[k]))
+                       for k, (p, c) in enumerate(zip(
+                           [p for p in prompts for _ in range(rl.responses_per_prompt)],
+                           completions))]
+            length, truncated = rollouts.length_stats(completions)
+            stats.update(reward_mean=float(r.mean()), response_len=length,
+                         truncated_frac=truncated, baseline=self.baseline.value)
+            payload = [(samples, stats)]
+        dist.broadcast_object_list(payload, src=0)
+        samples, stats = payload[0]
+        return samples, stats
+
+    def microbatches(self, samples: list[RolloutSample]) -> list[dict]:
+        t = self.cfg.training
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp = parallel_state.get_data_parallel_world_size()
+        per_rank = len(samples) // dp
+        mine = samples[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        pad = self.prep.pad_id
+        return [collate_rollouts(mine[j:j + t.micro_batch_size], t.seq_length, pad)
+                for j in range(0, per_rank, t.micro_batch_size)]
+
+    def train(self, samples: list[RolloutSample]) -> dict:
+        t, rl = self.cfg.training, self.cfg.rl
+        loss_fn = partial(policy_gradient_loss, self.objs.arch.vocab_size, rl.temperature,
+                          rl.tis_cap)
+        reports: list = []
+        t0 = time.perf_counter()
+        out = train_step(self.objs, self.microbatches(samples), seq_length=t.seq_length,
+                         micro_batch_size=t.micro_batch_size, loss_fn=loss_fn,
+                         reports_out=reports)
+        synchronize()
+        sums = dict(zip(REPORT_KEYS, global_report_sums(reports, len(REPORT_KEYS))))
+        n = max(sums["tokens"], 1.0)
+        record = {"loss": out.loss, "tokens": out.tokens, "grad_norm": out.grad_norm,
+                  "logprob_mismatch": sums["abs_mismatch_sum"] / n,
+                  "tis_weight_mean": sums["tis_weight_sum"] / n,
+                  "tis_capped_frac": sums["tis_capped"] / n,
+                  "train_time_s": time.perf_counter() - t0,
+                  "update_successful": out.update_successful}
+        stats = getattr(self.objs.optimizer, "last_stats", None)
+        if stats:
+            record.update({f"logra_{k}": v for k, v in stats.items() if k != "update"})
+        return record
+
+    def evaluate(self) -> dict:
+        rl = self.cfg.rl
+        requests = rollouts.eval_requests(self.driver.eval_prompts, rl) if self.rank == 0 else None
+        completions = self.generate(requests)
+        out = [None]
+        if self.rank == 0:
+            rewards = rollouts.score(self.driver.verifier, self.driver.tokenizer,
+                                     self.driver.eval_prompts, completions, rl.eval_samples)
+            p1, pk = rollouts.pass_at(rewards)
+            length, truncated = rollouts.length_stats(completions)
+            out = [{"eval_pass@1": p1, f"eval_pass@{rl.eval_samples}": pk,
+                    "eval_response_len": length, "eval_truncated_frac": truncated}]
+        dist.broadcast_object_list(out, src=0)
+        return out[0]
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        if self.driver is not None:
+            self.driver.verifier.close()
+
+
+def run_rl(cfg: RunConfig) -> RunResult:
+    run = RLRun(cfg)
+    try:
+        return _loop(run)
+    finally:
+        run.close()
+
+
+def _loop(run: RLRun) -> RunResult:
+    cfg, objs, prep = run.cfg, run.objs, run.prep
+    t, rl, ck = cfg.training, cfg.rl, cfg.checkpoint
+    start = prep.start_step
+    log = MetricsLog(cfg.output_dir, enabled=run.rank == 0, resume=start > 0)
+    result = RunResult(objects=objs)
+    if start == 0:
+        record = {"step": 0, **run.evaluate()}
+        log.write(record)
+        if run.rank == 0:
+            print(f"eval before training: {json.dumps(record)}", flush=True)
+    for update in range(start, t.train_iters):
+        t0 = time.perf_counter()
+        samples, record = run.rollout_batch(update)
+        lr = objs.optimizer.param_groups[0]["lr"]
+        record.update(run.train(samples))
+        run.version = update + 1
+        sync_before = (run.sync.bytes, run.sync.seconds)
+        run.push_weights()
+        record.update(step=update + 1, lr=lr, sync_bytes=run.sync.bytes - sync_before[0],
+                      sync_time_s=run.sync.seconds - sync_before[1],
+                      engine_restarts=run.sync.restarts, peak_mem_bytes=peak_memory_bytes(),
+                      step_time_s=time.perf_counter() - t0)
+        last = update + 1 == t.train_iters
+        if last or (rl.eval_interval and (update + 1) % rl.eval_interval == 0):
+            record.update(run.evaluate())
+        result.records.append(record)
+        log.write(record)
+        if (update + 1) % t.log_interval == 0 or last:
+            log.progress(record, t.train_iters)
+        if ck.save and ((ck.save_interval and (update + 1) % ck.save_interval == 0) or last):
+            extra = {"scheduler": objs.scheduler.state_dict(),
+                     "rl": {"baseline": run.baseline.state_dict()}}
+            result.last_checkpoint = checkpointing.save_checkpoint(
+                ck.save, update + 1, objs, extra, prep.checkpoint_meta)
+            if run.rank == 0:
+                print(f"saved checkpoint {result.last_checkpoint}", flush=True)
+    if run.rank == 0:
+        print(f"metrics: {log.path.resolve()}", flush=True)
+    dist.barrier()
+    return result

@@ -1,0 +1,77 @@
+"""Prompts, sampling requests and evaluation: the data side of the RL loop (rank 0).
+
+The prompt order is a pure function of (seed, update index), like SFT's sample
+order, so a resumed run draws the same prompts; every sample has its own sampling
+seed (rollout seed, update, prompt, sample), so rollouts do not depend on batching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_logra.config import RLConfig
+from megatron_logra.data.sft import batch_indices
+from megatron_logra.data.tokenizer import TextTokenizer
+from megatron_logra.rl.engine import Completion, SampleRequest
+from megatron_logra.rl.verifiers import RLItem, Verifier
+
+
+@dataclass(frozen=True)
+class Prompt:
+    item: RLItem
+    ids: list[int]
+
+
+def encode_prompts(items: list[RLItem], tokenizer: TextTokenizer, max_tokens: int) -> list[Prompt]:
+    """Prompts in the SFT format (``tokenizer.prompt``), longer ones dropped (with a count)."""
+    out = [Prompt(it, tokenizer.encode(tokenizer.prompt(it.question))) for it in items]
+    return [p for p in out if len(p.ids) <= max_tokens]
+
+
+def sample_seed(rollout_seed: int, update: int, prompt: int, sample: int) -> int:
+    return (((rollout_seed * 1_000_003 + update) * 100_003 + prompt) * 1_009 + sample) % 2**31
+
+
+def step_requests(prompts: list[Prompt], cfg: RLConfig, update: int, seed: int
+                  ) -> tuple[list[Prompt], list[SampleRequest]]:
+    """The prompts of update ``update`` and their P x G requests (prompt-major)."""
+    chosen = [prompts[i] for i in batch_indices(len(prompts), cfg.prompts_per_step, update, seed)]
+    requests = [SampleRequest(p.ids, sample_seed(cfg.rollout_seed, update, i, j),
+                              cfg.max_new_tokens, cfg.temperature)
+                for i, p in enumerate(chosen) for j in range(cfg.responses_per_prompt)]
+    return chosen, requests
+
+
+def score(verifier: Verifier, tokenizer: TextTokenizer, prompts: list[Prompt],
+          completions: list[Completion], per_prompt: int) -> list[list[float]]:
+    """Rewards [P][G] of prompt-major completions."""
+    rewards = []
+    for i, p in enumerate(prompts):
+        group = completions[i * per_prompt:(i + 1) * per_prompt]
+        rewards.append([verifier.score(p.item, tokenizer.decode(c.token_ids)).reward
+                        for c in group])
+    return rewards
+
+
+def eval_requests(prompts: list[Prompt], cfg: RLConfig) -> list[SampleRequest]:
+    return [SampleRequest(p.ids, sample_seed(cfg.rollout_seed + 7919, 0, i, j),
+                          cfg.max_new_tokens, cfg.temperature)
+            for i, p in enumerate(prompts) for j in range(cfg.eval_samples)]
+
+
+def pass_at(rewards: list[list[float]]) -> tuple[float, float]:
+    """(pass@1, pass@k) from k binary-or-partial rewards per prompt: pass@1 = mean correct
+    fraction (the unbiased estimator with n = k samples), pass@k = fraction of prompts with
+    at least one fully correct sample."""
+    if not rewards:
+        return float("nan"), float("nan")
+    p1 = sum(sum(r >= 1.0 for r in row) / len(row) for row in rewards) / len(rewards)
+    pk = sum(any(r >= 1.0 for r in row) for row in rewards) / len(rewards)
+    return p1, pk
+
+
+def length_stats(completions: list[Completion]) -> tuple[float, float]:
+    """(mean response length in tokens, fraction truncated at max_new_tokens)."""
+    n = max(len(completions), 1)
+    return (sum(len(c.token_ids) for c in completions) / n,
+            sum(c.truncated for c in completions) / n)

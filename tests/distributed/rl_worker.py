@@ -1,0 +1,83 @@
+"""torchrun worker of tests/distributed/test_rl_loop.py: one RL run, checked from inside.
+
+    torchrun --nproc-per-node N tests/distributed/rl_worker.py OUT.json [launcher flags]
+
+After the start-up push, after two RL updates (each followed by a full push) and after
+the engine is killed (the next rollout restarts and resyncs it), the trainer's
+logprobs and the engine's on the same fixed token rows are compared. Rank 0 writes:
+{"diffs": {...}, "moved": ..., "restarts": ..., "versions": [...], "records": [...]}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+
+def trainer_logprobs(run, rows: torch.Tensor) -> torch.Tensor:
+    """log p(row[t] | row[:t]) [b, s-1] from the trainer's model, fp64, on every rank."""
+    from megatron_logra.model.logits import model_logits
+
+    logits = model_logits(run.objs.model, rows, run.objs.arch.vocab_size)
+    mine = None if logits is None else torch.log_softmax(logits.double(), -1)[:, :-1].gather(
+        -1, rows[:, 1:, None]).squeeze(-1)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return next(t for t in everyone if t is not None)
+
+
+def engine_logprobs(run, rows: torch.Tensor) -> torch.Tensor | None:
+    if dist.get_rank() != 0:
+        return None
+    return torch.tensor(run.engine.prompt_logprobs(rows.tolist()), dtype=torch.float64)
+
+
+def main() -> None:
+    from megatron_logra.cli import parse_run_config
+    from megatron_logra.rl.loop import RLRun
+
+    out_path, argv = sys.argv[1], sys.argv[2:]
+    run = RLRun(parse_run_config(argv))
+    rows = torch.randint(0, run.objs.arch.vocab_size, (3, 24),
+                         generator=torch.Generator().manual_seed(5))
+    result = {"diffs": {}, "versions": [], "records": []}
+    first = trainer_logprobs(run, rows)
+
+    def check(label: str) -> torch.Tensor:
+        mine = trainer_logprobs(run, rows)
+        theirs = engine_logprobs(run, rows)
+        if theirs is not None:
+            result["diffs"][label] = float((mine - theirs).abs().max())
+            result["versions"].append([run.version, run.engine.version])
+        return mine
+
+    check("start")
+    for update in range(2):
+        samples, record = run.rollout_batch(update)
+        # an untrained model earns no reward (zero advantages, no update): give the samples
+        # +-1 advantages so that the weights move and the sync has something to carry
+        samples = [replace(s, advantage=1.0 if k % 2 else -1.0) for k, s in enumerate(samples)]
+        record.update(run.train(samples))
+        run.version = update + 1
+        run.push_weights()
+        result["records"].append(record)
+    after = check("after_2_updates")
+    result["moved"] = float((after - first).abs().max())
+    if dist.get_rank() == 0:
+        run.engine.kill_for_test()
+    run.rollout_batch(2)  # the dead engine is restarted and resynced before it generates
+    check("after_restart")
+    result["restarts"] = run.sync.restarts
+    run.close()
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
