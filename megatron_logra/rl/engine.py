@@ -37,6 +37,7 @@ class EngineConfig:
     kv_cache_gib: float = 1.0
     tensor_parallel_size: int = 1
     seed: int = 0
+    max_num_seqs: int = 128
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 1800.0
 
@@ -69,7 +70,11 @@ def _serve(conn, cfg: EngineConfig) -> None:
         llm = LLM(model=cfg.model_dir, dtype=cfg.dtype, enforce_eager=True,
                   distributed_executor_backend="uni" if cfg.tensor_parallel_size == 1 else "mp",
                   tensor_parallel_size=cfg.tensor_parallel_size,
-                  max_model_len=cfg.max_model_len, seed=cfg.seed,
+                  max_model_len=cfg.max_model_len, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
+                  # a token budget that never splits a prompt over steps: seeded requests
+                  # fail on CPU when their prefill is chunked ("CPU Generator does not use
+                  # offset"), and the per-sample seeds are what makes rollouts reproducible
+                  max_num_batched_tokens=cfg.max_model_len * cfg.max_num_seqs,
                   kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30),
                   logprobs_mode="processed_logprobs",
                   worker_extension_cls="megatron_logra.rl.vllm_ext.WeightReceiver")

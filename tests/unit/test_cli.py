@@ -63,6 +63,7 @@ def test_valid_command_line_gives_frozen_config():
     (["--task", "chain_sum:-1"], 1, "must be > 0"),
     (["--stage", "rl", "--prompts-per-step", "3", "--micro-batch-size", "8"], 1,
      "RL global batch, --prompts-per-step x --responses-per-prompt = 12, is not divisible"),
+    (["--stage", "rl", "--kl-control", "predicted"], 1, "predicted is not implemented yet"),
     (["--stage", "rl", "--responses-per-prompt", "1"], 1, "grpo needs --responses-per-prompt >= 2"),
     (["--stage", "rl", "--temperature", "0"], 1, "--temperature 0.0 must be > 0"),
     (["--stage", "rl", "--max-new-tokens", "300", "--seq-length", "256"], 1, "raise --seq-length"),
@@ -89,11 +90,11 @@ def test_bad_command_lines_name_problem_and_fix(argv, world, match):
 
 def test_rl_flags_give_their_config_and_the_global_batch():
     cfg = parse_run_config(["--stage", "rl", "--prompts-per-step", "4", "--responses-per-prompt",
-                            "6", "--tis-cap", "0", "--kl-control", "predicted", "--algorithm",
+                            "6", "--tis-cap", "0", "--algorithm",
                             "reinforce", "--micro-batch-size", "2"], world_size=2)
     assert cfg.training.global_batch_size == 24
     assert (cfg.rl.prompts_per_step, cfg.rl.responses_per_prompt, cfg.rl.tis_cap) == (4, 6, None)
-    assert cfg.rl.kl.mode == "predicted" and cfg.rl.algorithm == "reinforce"
+    assert cfg.rl.kl.mode == "none" and cfg.rl.algorithm == "reinforce"
 
 
 def test_logra_flags_give_its_config():

@@ -1,0 +1,70 @@
+"""RL learns: a tiny model warm-started with --stage sft gains held-out reward in 30 RL
+updates, with dense Adam and with LoGRA (real vLLM rollouts, real gcd verifier).
+
+Seeds are fixed and both sides are deterministic on CPU (per-sample vLLM seeds, fp32),
+so the figures repeat run to run. Measured: eval pass@1 0.156 before; after 30 updates
+0.336 (dense Adam) and 0.250 (LoGRA r=32). Asserted margins: +0.12 and +0.06. The eval
+prompts and their sampling seeds are fixed, so an unchanged policy would score 0.156
+again: the gain is the policy's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH = REPO / "launch" / "pretrain_rl.py"
+COMMON = ["--task", "gcd", "--seq-length", "160", "--dataset-size", "1000"]
+RL = ["--stage", "rl", "--train-iters", "30", "--prompts-per-step", "8",
+      "--responses-per-prompt", "8", "--micro-batch-size", "16", "--max-new-tokens", "8",
+      "--lr-decay-style", "constant", "--dataset-size", "400", "--eval-prompts", "32",
+      "--eval-samples", "4", "--eval-interval", "10", "--log-interval", "10"]
+OPTIMIZERS = {
+    "adam": (["--lr", "1e-3"], 0.12),
+    "logra": (["--lr", "1e-3", "--optimizer", "logra", "--logra-rank", "32",
+               "--logra-update-ratio", "3e-2", "--logra-targets", "qkv,proj,fc1,fc2,embedding"],
+              0.06),
+}
+
+
+def _launch(argv: list[str], tmp: Path) -> None:
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(LAUNCH), *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+@pytest.fixture(scope="module")
+def sft_checkpoint(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("sft")
+    _launch(["--stage", "sft", *COMMON, "--train-iters", "60", "--global-batch-size", "16",
+             "--micro-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "5",
+             "--min-lr", "3e-4", "--output-dir", str(tmp / "out"), "--save", str(tmp / "ckpt")],
+            tmp)
+    return tmp / "ckpt"
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_rl_raises_held_out_reward(sft_checkpoint, tmp_path, optimizer):
+    flags, margin = OPTIMIZERS[optimizer]
+    out = tmp_path / "rl"
+    _launch([*COMMON, *RL, *flags, "--load", str(sft_checkpoint), "--finetune",
+             "--output-dir", str(out), "--save", str(tmp_path / "ckpt")], tmp_path)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    before, after = records[0]["eval_pass@1"], records[-1]["eval_pass@1"]
+    assert records[0]["step"] == 0 and records[-1]["step"] == 30
+    assert after >= before + margin, (optimizer, before, after)
+    trained = records[1:]
+    assert all(r["update_successful"] and r["sync_bytes"] > 0 for r in trained)
+    assert max(r["logprob_mismatch"] for r in trained) < 1e-3  # fp32 engine == trainer
+    for key in ("reward_mean", "response_len", "truncated_frac", "rollout_time_s",
+                "train_time_s", "sync_time_s", "peak_mem_bytes"):
+        assert key in trained[0], key
