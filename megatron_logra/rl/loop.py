@@ -161,7 +161,10 @@ class RLRun:
             from safetensors.torch import save_file
 
             save_file(saved, str(Path(self.driver.engine_cfg.model_dir) / "model.safetensors"))
-            self.engine = RolloutEngine(self.driver.engine_cfg)
+            try:  # a failure is reported to every rank (push_weights), never left to hang them
+                self.engine = RolloutEngine(self.driver.engine_cfg)
+            except EngineError as exc:
+                return f"engine start-up: {exc}", 0
             self.engine.assume_version(self.version)
             rl = self.cfg.rl
             print(f"rollout engine up in {self.engine.startup_s:.1f}s (vLLM {rl.rollout_dtype}, "
@@ -175,8 +178,14 @@ class RLRun:
         return failed, sent
 
     def _restart_engine(self) -> None:
-        self.engine.restart()
+        if self.engine is None:  # it never started: the next push starts it
+            return
         self.sync.restarts += 1
+        try:
+            self.engine.restart()
+        except EngineError as exc:  # the next push starts a fresh one from current weights
+            print(f"engine restart failed ({exc}); starting anew at the next push", flush=True)
+            self.engine = None
 
     # --- rollouts (rank 0 generates; the result is broadcast) ------------------------------
     def generate(self, requests) -> list:
@@ -185,6 +194,8 @@ class RLRun:
             done, status = None, ""
             if self.rank == 0:
                 try:
+                    if self.engine is None:
+                        raise EngineError("the engine is not running")
                     done = self.engine.generate(requests, self.version)
                 except EngineError as exc:
                     status = str(exc)
