@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -65,7 +65,7 @@ class SyncStats:
     bytes: int = 0
     seconds: float = 0.0
     restarts: int = 0
-    pushes: int = field(default=0)
+    pushes: int = 0
 
 
 class RLRun:
@@ -81,12 +81,26 @@ class RLRun:
         if "rl" in extra:
             self.baseline.load_state_dict(extra["rl"]["baseline"])
         self.sync = SyncStats()
-        self.driver = self._start_driver() if self.rank == 0 else None
+        self.driver = self._start_driver_everywhere()
         self.engine: RolloutEngine | None = None  # rank 0, once the first push wrote its weights
         self.version = self.prep.start_step
         self.push_weights()  # the engine starts from the trainer's weights
 
     # --- rank 0: engine, verifier, prompts -------------------------------------------------
+    def _start_driver_everywhere(self) -> _Driver | None:
+        """Rank 0 builds the driver; a failure there (bad task data, no prompts fit) is
+        raised on every rank, so no rank waits in a collective for a rank that died."""
+        driver, error = None, [""]
+        if self.rank == 0:
+            try:
+                driver = self._start_driver()
+            except (ValueError, RuntimeError, OSError) as exc:
+                error = [f"{type(exc).__name__}: {exc}"]
+        dist.broadcast_object_list(error, src=0)
+        if error[0]:
+            raise RuntimeError(f"RL set-up failed on rank 0: {error[0]}")
+        return driver
+
     def _start_driver(self) -> _Driver:
         cfg, rl = self.cfg, self.cfg.rl
         tokenizer = load_tokenizer(cfg.model.model_dir, cfg.model.tokenizer_model)
