@@ -23,7 +23,8 @@ class Prompt:
 
 
 def encode_prompts(items: list[RLItem], tokenizer: TextTokenizer, max_tokens: int) -> list[Prompt]:
-    """Prompts in the SFT format (``tokenizer.prompt``), longer ones dropped (with a count)."""
+    """Prompts in the SFT format (``tokenizer.prompt``); those over ``max_tokens`` are dropped
+    (the caller refuses a run left with too few)."""
     out = [Prompt(it, tokenizer.encode(tokenizer.prompt(it.question))) for it in items]
     return [p for p in out if len(p.ids) <= max_tokens]
 

@@ -124,7 +124,3 @@ def _relay(hf_tensors, arch: ModelArch, name: str, sender: int, dtype: torch.dty
         dist.recv(tensor, src=sender)
         out.append((hf_name, tensor))
     return out
-
-
-def bucket_bytes_of(buckets: list[Bucket]) -> int:
-    return sum(t.numel() * t.element_size() for b in buckets for _, t in b)
