@@ -152,11 +152,6 @@ class LograOptimizer:
                 if cfg.master_weights == "none":
                     d.copy_(d.to(torch.bfloat16))
 
-    def directions(self) -> list[torch.Tensor]:
-        """D [owned rows, r] per sketched weight, valid between ``_directions`` and the end of
-        the step (views of the sketch buffers, or a small copy for a DP-sharded gated fc1)."""
-        return [sh.take(slot.sketch) for sh, slot in zip(self.shards, self.sketches.slots)]
-
     def _masked_sum(self, values: torch.Tensor, mask: torch.Tensor, group_fn) -> torch.Tensor:
         """``values`` [..., n] with the columns where ``mask`` [n] holds summed over a group."""
         if not bool(mask.any()) or not dist.is_initialized():

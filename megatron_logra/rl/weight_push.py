@@ -20,7 +20,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_logra.model.arch import ModelArch
-from megatron_logra.model.hf_mapping import hf_from_megatron, megatron_param_names
+from megatron_logra.model.hf_mapping import (hf_from_megatron, megatron_param_names,
+                                             megatron_param_shape)
 from megatron_logra.model.provider import canonical_param_names, unwrap
 from megatron_logra.model.sharding import full_of_shards, tp_split
 
@@ -108,8 +109,6 @@ def _gather_tp(param: torch.Tensor, group, size: int) -> torch.Tensor:
 
 def _relay(hf_tensors, arch: ModelArch, name: str, sender: int, dtype: torch.dtype):
     """Sender -> rank 0, point to point (shapes are known on both sides from the arch)."""
-    from megatron_logra.model.hf_mapping import megatron_param_shape
-
     rank = dist.get_rank()
     if rank == sender:
         for _, tensor in hf_tensors:

@@ -16,6 +16,8 @@ add them yourself (e.g. the enumerated model state).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -49,8 +51,6 @@ class LiveTensorBytes(TorchDispatchMode):
         self._sizes[storage] = nbytes
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        import weakref
-
         weakref.finalize(storage, self._free, nbytes)
 
     def _free(self, nbytes: int) -> None:

@@ -50,31 +50,22 @@ def _to_device(microbatches: list[dict[str, torch.Tensor]]) -> list[dict[str, to
 
 
 def global_report_sums(reports: list[dict], width: int) -> list[float]:
-    """The loss reports (``width`` numbers each) summed over the global batch. Every rank
-    takes part (ranks off the last stage contribute zeros); the last stage's TP peers hold
-    equal sums, so the total is divided by TP."""
+    """The first ``width`` numbers of the loss reports summed over the global batch. Every
+    rank takes part (ranks off the last stage contribute zeros); the last stage's TP peers
+    hold equal sums, so the total is divided by TP."""
     total = torch.zeros(width, dtype=torch.float64, device=current_device())
     for report in reports:
-        total += report["lm loss"].to(total)
+        total += report["lm loss"][:width].to(total)
     dist.all_reduce(total)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     return (total / tp).tolist()
 
 
 def global_loss(reports: list[dict]) -> tuple[float, int]:
-    """(mean loss, tokens) over the whole global batch, from each last-stage rank's reports."""
-    width = reports[0]["lm loss"].numel() if reports else 2
-    width = _agree_on_width(width)
-    sums = global_report_sums(reports, width)
-    loss_sum, count = sums[0], sums[1]
+    """(mean loss, tokens) over the whole global batch: every report starts with
+    [loss_sum, tokens]."""
+    loss_sum, count = global_report_sums(reports, 2)
     return (loss_sum / count if count else float("nan")), int(round(count))
-
-
-def _agree_on_width(width: int) -> int:
-    """Ranks without reports (not the last stage) learn the report width from those with."""
-    t = torch.tensor([width], dtype=torch.int64, device=current_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 def forward_backward(model, microbatches, *, seq_length: int, micro_batch_size: int,

@@ -114,7 +114,6 @@ def prepare_training(cfg: RunConfig) -> Prepared:
 def run_sft(cfg: RunConfig) -> RunResult:
     prep = prepare_training(cfg)
     objs, tokenizer, start_step, ck = prep.objs, prep.tokenizer, prep.start_step, cfg.checkpoint
-    arch = objs.arch
     is_logger = dist.get_rank() == 0
     out_dir = Path(cfg.output_dir)
     batches = build_sft_batches(cfg, tokenizer)
