@@ -70,10 +70,6 @@ def rl_config(args: argparse.Namespace, dp: int) -> RLConfig:
                      "--rollout-kv-cache-gib > 0")
     if not 0 < args.kl_budget_final <= args.kl_budget:
         raise _Error("need 0 < --kl-budget-final <= --kl-budget")
-    if args.kl_control == "predicted":
-        raise _Error("--kl-control predicted is not implemented yet (the forward-mode JVP "
-                     "predictor is open work, see the README's RL section); use --kl-control "
-                     "none")
     if args.kl_alpha_max <= 0:
         raise _Error("--kl-alpha-max must be > 0")
     if args.seq_length < args.max_new_tokens + 8:

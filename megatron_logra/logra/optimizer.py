@@ -11,7 +11,8 @@ all-gather. ``step()`` runs it, then the RowAdam update of every sketched weight
 2. D = S / (rho + eps mean rho); one global factor c over all sketched layers,
    ``update_ratio * ||W|| / ||D A||`` (partial squared norms summed over the
    model-parallel group: TP and PP) or the scheduler's learning rate;
-3. ``alpha`` = ``step_scale_fn(...)`` (predicted-KL control; 1 by default);
+3. ``alpha`` = ``scale_fn(stats)`` when ``step_sketches`` is given one (predicted-KL
+   control, ``training/scaled_step``); 1 in ``step()``;
 4. W -= alpha c D A in row chunks, in one of the precision modes:
    fp32 params (exact); bf16 params + fp32 master (the master gets the update,
    the bf16 weight is rounded from it); bf16 params only (``none``): the fp32
@@ -40,6 +41,7 @@ from megatron_logra.logra import row_adam
 from megatron_logra.logra.low_rank_apply import apply_bf16_update
 from megatron_logra.logra.row_shards import RowShard, all_gather_rows, plan_row_shard
 from megatron_logra.logra.sketches import SketchSet
+from megatron_logra.logra.weight_tangent import LowRankTangent
 
 MASTER_MODES = ("fp32", "none")
 
@@ -74,13 +76,11 @@ def _active_rows(d: torch.Tensor) -> torch.Tensor | None:
 class LograOptimizer:
     """Dense megatron optimizer + RowAdam over a ``SketchSet``; megatron's optimizer API."""
 
-    def __init__(self, dense, sketches: SketchSet, cfg: RowAdamConfig, *,
-                 step_scale_fn: Callable[[dict], float] | None = None):
+    def __init__(self, dense, sketches: SketchSet, cfg: RowAdamConfig):
         if cfg.master_weights not in MASTER_MODES:
             raise ValueError(f"--logra-master-weights {cfg.master_weights!r}: choose from "
                              f"{MASTER_MODES}")
         self.dense, self.sketches, self.cfg = dense, sketches, cfg
-        self.step_scale_fn = step_scale_fn
         dp_size, dp_rank = 1, 0
         if cfg.shard_over_dp:
             dp_size = parallel_state.get_data_parallel_world_size()
@@ -120,8 +120,19 @@ class LograOptimizer:
     def step(self):
         ok, grad_norm, zeros = self.dense.step()
         if ok:
-            self._sketch_step()
+            self.step_sketches()
         return ok, grad_norm, zeros
+
+    def low_rank_tangents(self, coefficient: float) -> dict[int, LowRankTangent]:
+        """During ``scale_fn``: this update's weight tangents -c D A per sketched weight,
+        keyed by id(slot). With DP sharding each rank computed D for its own rows only:
+        the rows are all-gathered into the sketch buffers first (the step reads its own)."""
+        if self.cfg.shard_over_dp:
+            group = parallel_state.get_data_parallel_group()
+            for slot, shard in zip(self.sketches.slots, self.shards):
+                all_gather_rows(slot.sketch, shard, group)
+        return {id(slot): LowRankTangent(coefficient, slot.sketch, slot.projection)
+                for slot in self.sketches.slots}
 
     # --- RowAdam ---------------------------------------------------------------------------
     def _lr(self) -> float:
@@ -189,7 +200,9 @@ class LograOptimizer:
                                   parallel_state.get_model_parallel_group)
         return float(totals[0]), float(totals[1])
 
-    def _sketch_step(self) -> None:
+    @torch.no_grad()
+    def step_sketches(self, scale_fn: Callable[[dict], float] | None = None) -> None:
+        """The RowAdam update of every sketched weight (after the dense step)."""
         cfg, sk = self.cfg, self.sketches
         update = self.steps  # 0-based index of this update
         self.steps += 1
@@ -201,7 +214,7 @@ class LograOptimizer:
             c = self._lr()
         stats = {"update": update, "c": c, "weight_norm": weight_sq ** 0.5,
                  "update_norm": update_sq ** 0.5}
-        alpha = 1.0 if self.step_scale_fn is None else float(self.step_scale_fn(stats))
+        alpha = 1.0 if scale_fn is None else float(scale_fn(stats))
         stats["alpha"] = alpha
         coefficient = alpha * c
         self.last_updates = {}

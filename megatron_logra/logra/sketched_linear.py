@@ -27,6 +27,8 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
+from megatron_logra.logra import weight_tangent
+
 
 @dataclass
 class SketchSlot:
@@ -101,6 +103,9 @@ class SketchedVocabParallelEmbedding(VocabParallelEmbedding):
 
     def forward(self, input_):
         slot: SketchSlot | None = getattr(self.weight, "logra_slot", None)
+        tangent = weight_tangent.tangent_of(slot)
+        if tangent is not None:  # forward-mode pass of the KL controller
+            return self._forward_with_tangent(input_, tangent)
         if slot is None or slot.projection is None or not torch.is_grad_enabled():
             return super().forward(input_)
         if self.reduce_scatter_embeddings:
@@ -116,6 +121,22 @@ class SketchedVocabParallelEmbedding(VocabParallelEmbedding):
                                     self._logra_anchor)
         return reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
 
+    def _forward_with_tangent(self, input_, tangent):
+        """megatron's lookup plus the update's tangent -(c D[ids]) A, reduced over TP."""
+        out = super().forward(input_)
+        ids, mask = input_, None
+        if self.tp_group.size() > 1:
+            mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            ids = (input_ - self.vocab_start_index).masked_fill(mask, 0)
+        extra = tangent.lookup_tangent(ids)
+        if mask is not None:
+            extra = extra.masked_fill(mask[..., None], 0.0)
+            dist.all_reduce(extra, group=self.tp_group)
+        if self.reduce_scatter_embeddings:
+            raise NotImplementedError("the KL-control tangent pass does not support sequence "
+                                      "parallel")
+        return weight_tangent.add_tangent(out, extra)  # [b, s, h], as the lookup
+
 
 class _SketchedMatmulMixin:
     """Overrides megatron's ``_forward_impl`` (the matmul between its TP communication):
@@ -126,9 +147,14 @@ class _SketchedMatmulMixin:
                       tp_group=None, **kwargs):
         slot: SketchSlot | None = getattr(weight, "logra_slot", None)
         if slot is None or slot.projection is None or not torch.is_grad_enabled():
-            return super()._forward_impl(input, weight, *args, bias=bias,
-                                         allreduce_dgrad=allreduce_dgrad, tp_group=tp_group,
-                                         **kwargs)
+            out = super()._forward_impl(input, weight, *args, bias=bias,
+                                        allreduce_dgrad=allreduce_dgrad, tp_group=tp_group,
+                                        **kwargs)
+            tangent = weight_tangent.tangent_of(slot)
+            if tangent is not None:  # the KL controller's forward-mode pass: + X dW^T
+                out = weight_tangent.add_tangent(
+                    out, tangent.output_tangent(weight_tangent.primal_of(input)))
+            return out
         return _SketchedMatmul.apply(input, weight, bias, slot.projection, slot.sketch,
                                      allreduce_dgrad, tp_group)
 

@@ -36,6 +36,7 @@ from megatron_logra.data.tokenizer import load_tokenizer
 from megatron_logra.rl import advantages as adv
 from megatron_logra.rl import rollouts
 from megatron_logra.rl.engine import EngineConfig, EngineError, RolloutEngine
+from megatron_logra.rl.kl_step import PredictedKLStep
 from megatron_logra.rl.policy_loss import (REPORT_KEYS, RolloutSample, collate_rollouts,
                                            policy_gradient_loss)
 from megatron_logra.rl.verifiers import Verifier, VerifierConfig, generate_rl_items
@@ -78,8 +79,13 @@ class RLRun:
         self.plan = plan_push(self.objs.model, self.objs.arch)
         self.baseline = adv.RunningBaseline(cfg.rl.baseline_decay)
         extra = self.prep.extra_state or {}
+        kl = cfg.rl.kl
+        self.kl_step = None if kl.mode == "none" else PredictedKLStep(
+            kl, temperature=cfg.rl.temperature, vocab_size=self.objs.arch.vocab_size)
         if "rl" in extra:
             self.baseline.load_state_dict(extra["rl"]["baseline"])
+            if self.kl_step is not None and "kl" in extra["rl"]:
+                self.kl_step.controller.load_state_dict(extra["rl"]["kl"])
         self.sync = SyncStats()
         self.driver = self._start_driver_everywhere()
         self.engine: RolloutEngine | None = None  # rank 0, once the first push wrote its weights
@@ -242,7 +248,8 @@ class RLRun:
                 a = adv.grpo_advantages(r)
             else:
                 a = self.baseline.advantages(r)
-            samples = [RolloutSample(p.ids, c.token_ids, c.logprobs, float(a.flatten()[k]))
+            samples = [RolloutSample(p.ids, c.token_ids, c.logprobs, float(a.flatten()[k]),
+                                     truncated=c.truncated)
                        for k, (p, c) in enumerate(zip(
                            [p for p in prompts for _ in range(rl.responses_per_prompt)],
                            completions))]
@@ -261,30 +268,44 @@ class RLRun:
         longest = max(len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples)
         return min(self.cfg.training.seq_length, -(-longest // 16) * 16)
 
-    def microbatches(self, samples: list[RolloutSample], length: int) -> list[dict]:
-        t = self.cfg.training
+    def _my_samples(self, samples: list[RolloutSample]) -> list[RolloutSample]:
         dp_rank = parallel_state.get_data_parallel_rank()
-        dp = parallel_state.get_data_parallel_world_size()
-        per_rank = len(samples) // dp
-        mine = samples[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        pad = self.prep.pad_id
-        return [collate_rollouts(mine[j:j + t.micro_batch_size], length, pad)
-                for j in range(0, per_rank, t.micro_batch_size)]
+        per_rank = len(samples) // parallel_state.get_data_parallel_world_size()
+        return samples[dp_rank * per_rank:(dp_rank + 1) * per_rank]
 
-    def train(self, samples: list[RolloutSample]) -> dict:
+    def microbatches(self, samples: list[RolloutSample], length: int) -> list[dict]:
+        mbs = self.cfg.training.micro_batch_size
+        mine, pad = self._my_samples(samples), self.prep.pad_id
+        return [collate_rollouts(mine[j:j + mbs], length, pad) for j in range(0, len(mine), mbs)]
+
+    def train(self, samples: list[RolloutSample], update: int) -> dict:
         t, rl = self.cfg.training, self.cfg.rl
         loss_fn = partial(policy_gradient_loss, self.objs.arch.vocab_size, rl.temperature,
                           rl.tis_cap)
-        reports: list = []
         t0 = time.perf_counter()
         length = self.batch_length(samples)
+        sums: dict[str, float] = {}
+        kl_record: dict = {}
+
+        def optimizer_step(reports: list[dict]) -> tuple[bool, float | None]:
+            sums.update(zip(REPORT_KEYS, global_report_sums(reports, len(REPORT_KEYS))))
+            if self.kl_step is None:
+                ok, grad_norm, _ = self.objs.optimizer.step()
+                return ok, grad_norm
+            probe = collate_rollouts(self._my_samples(samples)[:rl.kl.probe_responses],
+                                     length, self.prep.pad_id)
+            eos = sums["eos_tokens"]
+            mismatch = sums["eos_mismatch_sum"] / eos if eos else None
+            ok, grad_norm, record = self.kl_step.step(self.objs, update, probe, mismatch)
+            kl_record.update(record)
+            return ok, grad_norm
+
         out = train_step(self.objs, self.microbatches(samples, length), seq_length=length,
                          micro_batch_size=t.micro_batch_size, loss_fn=loss_fn,
-                         reports_out=reports)
+                         optimizer_step=optimizer_step)
         synchronize()
-        sums = dict(zip(REPORT_KEYS, global_report_sums(reports, len(REPORT_KEYS))))
         n = max(sums["tokens"], 1.0)
-        record = {"loss": out.loss, "tokens": out.tokens, "grad_norm": out.grad_norm,
+        record = {"loss": out.loss, "tokens": out.tokens, "grad_norm": out.grad_norm, **kl_record,
                   "logprob_mismatch": sums["abs_mismatch_sum"] / n,
                   "tis_weight_mean": sums["tis_weight_sum"] / n,
                   "tis_capped_frac": sums["tis_capped"] / n,
@@ -340,7 +361,7 @@ def _loop(run: RLRun) -> RunResult:
         t0 = time.perf_counter()
         samples, record = run.rollout_batch(update)
         lr = objs.optimizer.param_groups[0]["lr"]
-        record.update(run.train(samples))
+        record.update(run.train(samples, update))
         run.version = update + 1
         sync_before = (run.sync.bytes, run.sync.seconds)
         run.push_weights()
@@ -358,6 +379,8 @@ def _loop(run: RLRun) -> RunResult:
         if ck.save and ((ck.save_interval and (update + 1) % ck.save_interval == 0) or last):
             extra = {"scheduler": objs.scheduler.state_dict(),
                      "rl": {"baseline": run.baseline.state_dict()}}
+            if run.kl_step is not None:
+                extra["rl"]["kl"] = run.kl_step.controller.state_dict()
             result.last_checkpoint = checkpointing.save_checkpoint(
                 ck.save, update + 1, objs, extra, prep.checkpoint_meta)
             if run.rank == 0:

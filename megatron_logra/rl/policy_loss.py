@@ -19,7 +19,10 @@ from megatron_logra.rl.advantages import policy_gradient_loss_sum, truncated_imp
 from megatron_logra.training.loss import token_nll
 
 # report layout: what the loss function sums per microbatch (the trainer adds them up)
-REPORT_KEYS = ("loss_sum", "tokens", "abs_mismatch_sum", "tis_weight_sum", "tis_capped")
+REPORT_KEYS = ("loss_sum", "tokens", "abs_mismatch_sum", "tis_weight_sum", "tis_capped",
+               "eos_mismatch_sum", "eos_tokens")
+"""eos_*: sum of (rollout - trainer) logprob over the tokens of EOS-terminated responses
+(not truncated), and their count: the KL controller's mismatch m."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class RolloutSample:
     response_ids: list[int]
     rollout_logprobs: list[float]  # one per response token
     advantage: float
+    truncated: bool = False  # the response hit --max-new-tokens (no EOS)
 
 
 def collate_rollouts(samples: list[RolloutSample], seq_length: int,
@@ -56,6 +60,8 @@ def collate_rollouts(samples: list[RolloutSample], seq_length: int,
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
             "rollout_logprobs": rollout_lp,
             "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+            "eos_terminated": torch.tensor([not s.truncated for s in samples],
+                                           dtype=torch.float32),
             "position_ids": torch.arange(seq_length).unsqueeze(0).expand(b, -1).contiguous(),
             "attention_mask": causal.expand(b, 1, seq_length, seq_length).contiguous()}
 
@@ -78,6 +84,8 @@ def policy_gradient_loss(vocab_size: int, temperature: float, tis_cap: float | N
     loss_sum = policy_gradient_loss_sum(logp, batch["advantages"], mask, weights)
     diff = (logp.detach() - rollout).abs() * mask
     w = weights if weights is not None else torch.ones_like(mask)
+    eos_mask = mask * batch["eos_terminated"][:, None]
     report = torch.stack([loss_sum.detach(), mask.sum(), diff.sum(), (w * mask).sum(),
-                          ((w >= tis_cap) * mask).sum() if tis_cap else mask.new_zeros(())])
+                          ((w >= tis_cap) * mask).sum() if tis_cap else mask.new_zeros(()),
+                          ((rollout - logp.detach()) * eos_mask).sum(), eos_mask.sum()])
     return loss_sum, mask.sum().to(torch.int), {"lm loss": report.float()}

@@ -39,6 +39,7 @@ Sites covered (paths under ``megatron/core``):
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
@@ -136,6 +137,9 @@ def apply_cpu_shims() -> None:
     from torch.utils import _device as torch_device_mode
 
     torch_device_mode._device_constructors()
+    # forward-mode AD scripts its decompositions on first use, and TorchScript cannot
+    # compile the wrapped factories: load them now, with the originals in place
+    importlib.import_module("torch._decomp.decompositions_for_jvp")
     for name in _FACTORIES:
         setattr(torch, name, _redirect_device(getattr(torch, name)))
     torch.cuda.current_device = lambda: "cpu"

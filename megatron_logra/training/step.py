@@ -86,8 +86,14 @@ def forward_backward(model, microbatches, *, seq_length: int, micro_batch_size: 
     )
 
 
+OptimizerStep = Callable[[list[dict]], tuple[bool, float | None]]
+"""(this rank's loss reports) -> (update successful, grad norm): replaces the plain
+``optimizer.step()`` (e.g. a step scaled by predicted-KL control)."""
+
+
 def train_step(objs, microbatches, *, seq_length: int, micro_batch_size: int,
-               loss_fn: LossFn | None = None, reports_out: list | None = None) -> StepResult:
+               loss_fn: LossFn | None = None, reports_out: list | None = None,
+               optimizer_step: OptimizerStep | None = None) -> StepResult:
     """One update. ``reports_out`` (a list) receives the last stage's loss reports."""
     objs.optimizer.zero_grad()
     reports = forward_backward(objs.model, microbatches, seq_length=seq_length,
@@ -95,7 +101,10 @@ def train_step(objs, microbatches, *, seq_length: int, micro_batch_size: int,
                                vocab_size=objs.arch.vocab_size, loss_fn=loss_fn)
     if reports_out is not None:
         reports_out.extend(reports)
-    ok, grad_norm, _ = objs.optimizer.step()
+    if optimizer_step is None:
+        ok, grad_norm, _ = objs.optimizer.step()
+    else:
+        ok, grad_norm = optimizer_step(reports)
     if ok:
         objs.scheduler.step(increment=1)
     loss, tokens = global_loss(reports)

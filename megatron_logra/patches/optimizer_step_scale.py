@@ -1,0 +1,87 @@
+"""Scaling a megatron-core optimizer's step after it is taken (megatron-core 0.16.x).
+
+What it touches: the inner torch optimizer's parameters (the fp32 main params: shards of
+the param buffer with the distributed optimizer, fp32 copies for bf16 params, the model
+params themselves for fp32 without it), ``_copy_main_params_to_model_params`` and the
+DDP chunks' ``start_param_sync``. Nothing is replaced; no megatron function changes.
+
+Why: predicted-KL control needs the update direction before it is applied, and Adam's
+direction exists only once Adam has stepped (its moments advance once, as usual).
+``StepScaler`` snapshots the params, lets megatron step, turns the change into the
+model-layout tangent, restores the model to the old weights for the tangent pass, and
+finally applies ``old + alpha * (new - old)`` to the main params (copied to the model
+params and all-gathered over DP as megatron's own step does). With alpha = 1 the result
+equals megatron's step up to one fp32 rounding.
+
+Memory while stepping: one fp32 copy of the main params this rank steps and one copy
+of the stepped model params in their dtype (under LoGRA only the small unsketched ones).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+
+def _sub_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _main_params(sub) -> list[torch.Tensor]:
+    return [p for group in sub.optimizer.param_groups for p in group["params"]]
+
+
+class StepScaler:
+    """snapshot() -> megatron step -> tangents() -> (tangent pass) -> apply(alpha)."""
+
+    def __init__(self, optimizer, model_params: dict[str, torch.nn.Parameter]):
+        """model_params: the stepped model params by name (those that require grad)."""
+        self.subs = _sub_optimizers(optimizer)
+        self.model_params = model_params
+        storages = {p.untyped_storage().data_ptr() for p in model_params.values()}
+        self.mains = [_main_params(sub) for sub in self.subs]
+        # a main param that lives in a model param's storage is restored with the model
+        self.shared = [[m.untyped_storage().data_ptr() in storages for m in mains]
+                       for mains in self.mains]
+        self.main_deltas: list[list[torch.Tensor]] = []
+        self.old_model: dict[str, torch.Tensor] = {}
+
+    def snapshot(self) -> None:
+        self.main_deltas = [[m.detach().clone() for m in mains] for mains in self.mains]
+        self.old_model = {n: p.detach().clone() for n, p in self.model_params.items()}
+
+    @torch.no_grad()
+    def tangents(self) -> dict[str, torch.Tensor]:
+        """After megatron's step: the update of every model param [its shape] (the tangent);
+        the model params are back at their old values."""
+        for mains, deltas in zip(self.mains, self.main_deltas):
+            for m, d in zip(mains, deltas):
+                d.sub_(m).neg_()  # new - old
+        out = {}
+        for name, p in self.model_params.items():
+            old = self.old_model[name]
+            out[name] = p.detach() - old
+            p.copy_(old)
+        self.old_model = {}
+        return out
+
+    @torch.no_grad()
+    def apply(self, alpha: float) -> None:
+        """Main params <- old + alpha (new - old); model params follow as in megatron's step."""
+        for sub, mains, deltas, shared in zip(self.subs, self.mains, self.main_deltas,
+                                              self.shared):
+            for m, d, is_shared in zip(mains, deltas, shared):
+                if is_shared:  # back at old with the model params
+                    m.add_(d, alpha=alpha)
+                else:  # still at new
+                    m.sub_(d, alpha=1.0 - alpha)
+            if not all(shared):
+                sub._copy_main_params_to_model_params()
+            if isinstance(sub, DistributedOptimizer):
+                for chunk in sub.model_chunks:
+                    chunk.start_param_sync(force_sync=True)
+        self.main_deltas = []
+
+    def discard(self) -> None:
+        """The step was skipped (non-finite grads): nothing changed."""
+        self.main_deltas, self.old_model = [], {}

@@ -1,0 +1,87 @@
+"""Predicted-KL control of one RL update on the trainer (``--kl-control predicted``).
+
+Per update: the rollout/trainer mismatch of this batch updates m and the budget; the
+optimizer steps held back (``training/scaled_step``); one forward-mode pass on the
+probe responses (``--kl-probe-responses`` per DP rank, their generated positions) gives
+K; alpha = min(alpha_max, sqrt(budget / K)) scales the update; a plain forward on the
+same probe tokens afterwards gives the realized KL(old || new). Every rank gets the
+same K and alpha: the per-token sums are all-reduced over the world (only the last
+stage contributes; its TP peers hold equal sums, so the total is divided by TP).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_logra.config import KLControlConfig
+from megatron_logra.rl import kl_control
+from megatron_logra.runtime.device import current_device
+from megatron_logra.training.scaled_step import scaled_optimizer_step
+from megatron_logra.training.tangent_forward import UpdateTangents, logits_with_tangent
+
+
+def _global_mean(values: torch.Tensor | None) -> float:
+    """Mean of per-token values [n] held by the last stage of every DP group."""
+    total = torch.zeros(2, dtype=torch.float64, device=current_device())
+    if values is not None:
+        total[0], total[1] = values.double().sum(), values.numel()
+    dist.all_reduce(total)
+    total /= parallel_state.get_tensor_model_parallel_world_size()
+    return float(total[0] / total[1]) if total[1] > 0 else 0.0
+
+
+class PredictedKLStep:
+    def __init__(self, cfg: KLControlConfig, *, temperature: float, vocab_size: int):
+        self.cfg, self.temperature, self.vocab_size = cfg, temperature, vocab_size
+        self.controller = kl_control.KLController(cfg)
+        self._old_logits: torch.Tensor | None = None  # probe rows [n, Vp/TP] at the old weights
+
+    def _vocab_kwargs(self, local_vocab: int) -> dict:
+        return {"temperature": self.temperature, "vocab_size": self.vocab_size,
+                "vocab_start": parallel_state.get_tensor_model_parallel_rank() * local_vocab,
+                "tp_group": parallel_state.get_tensor_model_parallel_group()}
+
+    def quadratic_form(self, model, probe: dict[str, torch.Tensor],
+                       tangents: UpdateTangents | None) -> float:
+        """K averaged over the probe's response tokens (global); keeps the old logits."""
+        out = logits_with_tangent(model, probe, tangents)
+        values = None
+        if out is not None:
+            logits, tangent = out
+            mask = probe["loss_mask"].bool()
+            self._old_logits = logits[mask]
+            values = kl_control.fisher_quadratic(self._old_logits, tangent[mask],
+                                                 **self._vocab_kwargs(logits.shape[-1]))
+        return _global_mean(values)
+
+    def realized_kl(self, model, probe: dict[str, torch.Tensor]) -> float:
+        """KL(old || new) on the probe's response tokens after the step."""
+        out = logits_with_tangent(model, probe, None)
+        values = None
+        if out is not None:
+            new = out[0][probe["loss_mask"].bool()]
+            values = kl_control.token_kl(self._old_logits, new,
+                                         **self._vocab_kwargs(new.shape[-1]))
+        self._old_logits = None
+        return _global_mean(values)
+
+    def step(self, objs, update: int, probe: dict[str, torch.Tensor],
+             mismatch: float | None) -> tuple[bool, float | None, dict]:
+        """Observe the mismatch, take the scaled step, measure; (ok, grad norm, record)."""
+        self.controller.observe_mismatch(mismatch)
+        budget = self.controller.budget(update)
+        probe = {k: v.to(current_device()) for k, v in probe.items()}
+        record = {"kl_budget": budget, "kl_mismatch_avg": self.controller.mismatch}
+
+        def choose_alpha(tangents: UpdateTangents) -> float:
+            k = self.quadratic_form(objs.model, probe, tangents)
+            alpha = kl_control.step_scale(k, budget, self.cfg.alpha_max)
+            record.update(kl_quadratic=k, alpha=alpha, kl_pred=alpha * alpha * k)
+            return alpha
+
+        ok, grad_norm, _ = scaled_optimizer_step(objs.optimizer, objs.model, choose_alpha)
+        if ok:
+            record["kl_realized"] = self.realized_kl(objs.model, probe)
+        return ok, grad_norm, record

@@ -1,0 +1,58 @@
+"""An optimizer step whose size is chosen from its own direction (predicted-KL control).
+
+``scaled_optimizer_step(optimizer, model, choose_alpha)``:
+1. megatron's step of the dense params, held back (``StepScaler``): their update becomes
+   the dense tangent and the model is returned to the old weights;
+2. LoGRA: the RowAdam directions D and the factor c are computed, and the sketched
+   weights' tangents are -c D A (low rank);
+3. ``alpha = choose_alpha(tangents)`` (a forward-mode pass at the old weights);
+4. the update is applied scaled by alpha: old + alpha (new - old) for the dense params,
+   W -= alpha c D A for the sketched ones.
+Dense Adam is the same without step 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from megatron_logra.logra.optimizer import LograOptimizer
+from megatron_logra.model.provider import unwrap
+from megatron_logra.patches.optimizer_step_scale import StepScaler
+from megatron_logra.training.tangent_forward import UpdateTangents
+
+ChooseAlpha = Callable[[UpdateTangents], float]
+
+
+def stepped_params(model_chunks: list) -> dict:
+    """The params the megatron optimizer steps (those requiring grad), by module name."""
+    if len(model_chunks) != 1:
+        raise NotImplementedError("scaled steps need one model chunk per rank")
+    return {n: p for n, p in unwrap(model_chunks[0]).named_parameters() if p.requires_grad}
+
+
+def scaled_optimizer_step(optimizer, model_chunks: list,
+                          choose_alpha: ChooseAlpha) -> tuple[bool, float | None, float]:
+    """(update successful, grad norm, alpha); a skipped step (non-finite grads) is alpha 0."""
+    logra = isinstance(optimizer, LograOptimizer)
+    dense = optimizer.dense if logra else optimizer
+    scaler = StepScaler(dense, stepped_params(model_chunks))
+    scaler.snapshot()
+    ok, grad_norm, _ = dense.step()
+    if not ok:
+        scaler.discard()
+        return False, grad_norm, 0.0
+    dense_tangents = scaler.tangents()
+    chosen: list[float] = []
+
+    def scale(stats: dict | None = None) -> float:
+        low_rank = optimizer.low_rank_tangents(stats["c"]) if logra else {}
+        alpha = float(choose_alpha(UpdateTangents(dense_tangents, low_rank)))
+        scaler.apply(alpha)
+        chosen.append(alpha)
+        return alpha
+
+    if logra:
+        optimizer.step_sketches(scale)
+    else:
+        scale()
+    return True, grad_norm, chosen[0]

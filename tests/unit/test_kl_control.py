@@ -1,0 +1,203 @@
+"""Predicted-KL control in one process: the math against brute force, the forward-mode
+tangent of a real model against finite differences, and the scaled step.
+
+* ``fisher_quadratic`` equals lim KL(p(z) || p(z + eps d)) / eps^2 (fp64 brute force),
+  with vocab padding excluded; ``token_kl`` equals the textbook KL.
+* On a tiny megatron model (TP1), the logits' tangent along the update, from the
+  forward-mode pass, equals the central finite difference (z(+eps) - z(-eps)) / 2 eps
+  of the *same* update applied for real: dense Adam (tangent = Adam's step) and LoGRA
+  (tangent of the sketched layers -(X A^T)(c D)^T, finite difference through
+  W - eps c D A formed densely, every target including the tied embedding).
+* The applied update is alpha times the unscaled one, and the realized KL after it
+  is alpha^2 K to second order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_logra.config import KLControlConfig, LograConfig, OptimizerConfig
+from megatron_logra.logra.sketched_linear import TARGETS
+from megatron_logra.model.arch import load_arch
+from megatron_logra.model.logits import causal_inputs
+from megatron_logra.model.provider import ModelBuildConfig, unwrap
+from megatron_logra.model.tiny_assets import write_tiny_model_dir
+from megatron_logra.rl import kl_control
+from megatron_logra.rl.kl_step import PredictedKLStep
+from megatron_logra.runtime.device import init_runtime
+from megatron_logra.runtime.parallel import ParallelConfig, initialize
+from megatron_logra.training.scaled_step import scaled_optimizer_step
+from megatron_logra.training.setup import build_training_objects
+from megatron_logra.training.step import forward_backward
+from megatron_logra.training.tangent_forward import logits_with_tangent
+
+SEED = 3
+
+
+# --- the math -----------------------------------------------------------------------------
+def _kl(z0: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+    p = torch.softmax(z0, -1)
+    return (p * (torch.log_softmax(z0, -1) - torch.log_softmax(z1, -1))).sum(-1)
+
+
+def test_fisher_quadratic_is_the_second_order_kl():
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(5, 40, generator=g, dtype=torch.float64) * 3
+    d = torch.randn(5, 40, generator=g, dtype=torch.float64)
+    temperature = 0.7
+    k = kl_control.fisher_quadratic(z, d, temperature=temperature, vocab_size=40).double()
+    eps = 1e-4
+    brute = _kl(z / temperature, (z + eps * d) / temperature) / eps ** 2
+    torch.testing.assert_close(k, brute, rtol=1e-3, atol=0)
+    # padded vocabulary entries (global index >= vocab_size) take no part
+    padded_z = torch.cat([z, torch.full((5, 8), 50.0, dtype=torch.float64)], -1)
+    padded_d = torch.cat([d, torch.full((5, 8), 9.0, dtype=torch.float64)], -1)
+    k_pad = kl_control.fisher_quadratic(padded_z, padded_d, temperature=temperature,
+                                        vocab_size=40)
+    torch.testing.assert_close(k_pad.double(), k, rtol=1e-5, atol=0)
+    kl = kl_control.token_kl(z, z + 0.3 * d, temperature=temperature, vocab_size=40)
+    torch.testing.assert_close(kl.double(), _kl(z / temperature, (z + 0.3 * d) / temperature),
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_step_scale_budget_and_mismatch():
+    assert kl_control.step_scale(0.0, 1e-4, 3.0) == 1.0
+    assert kl_control.step_scale(1e-4, 1e-4, 3.0) == pytest.approx(1.0)
+    assert kl_control.step_scale(4e-4, 1e-4, 3.0) == pytest.approx(0.5)
+    assert kl_control.step_scale(1e-9, 1e-4, 3.0) == 3.0  # alpha_max
+    for bad in (float("nan"), -1.0, float("inf")):
+        with pytest.raises(FloatingPointError, match="quadratic form"):
+            kl_control.step_scale(bad, 1e-4, 3.0)
+    cfg = KLControlConfig(mode="predicted", budget_start=2e-4, budget_end=2e-5, budget_steps=300)
+    assert kl_control.scheduled_budget(cfg, 0) == pytest.approx(2e-4)
+    assert kl_control.scheduled_budget(cfg, 150) == pytest.approx(1.1e-4)
+    assert kl_control.scheduled_budget(cfg, 300) == kl_control.scheduled_budget(cfg, 900) \
+        == pytest.approx(2e-5)
+    ctl = kl_control.KLController(cfg)
+    ctl.observe_mismatch(-0.5)  # negative mismatch counts as 0
+    assert ctl.mismatch == 0.0 and ctl.budget(0) == pytest.approx(2e-4)
+    ctl.observe_mismatch(1e-4)
+    assert ctl.mismatch == pytest.approx(3e-5)
+    assert ctl.budget(0) == pytest.approx(2e-4 - 3e-5)
+    ctl.observe_mismatch(1.0)  # a large mismatch: never below half the budget
+    assert ctl.budget(0) == pytest.approx(1e-4)
+    ctl.observe_mismatch(None)  # no EOS-terminated response: unchanged
+    state = ctl.state_dict()
+    other = kl_control.KLController(cfg)
+    other.load_state_dict(state)
+    assert other.mismatch == ctl.mismatch
+
+
+# --- the tangent of a real model ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def arch_dir(tmp_path_factory):
+    init_runtime()
+    initialize(ParallelConfig(), 1, seed=SEED)
+    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny_kl"), "qwen2")  # qkv bias
+
+
+def _batch(vocab: int) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(2):
+        tokens = torch.randint(0, vocab, (2, 24), generator=g)
+        mb = causal_inputs(tokens)
+        mb["labels"] = torch.roll(tokens, -1, dims=1)
+        mb["loss_mask"] = (torch.rand(2, 24, generator=g) > 0.3).float()
+        out.append(mb)
+    return out
+
+
+def _objects(arch, name: str):
+    logra = LograConfig(rank=8, targets=TARGETS)
+    return build_training_objects(arch, ModelBuildConfig(),
+                                  OptimizerConfig(name=name, lr=3e-3, clip_grad=0.0, logra=logra),
+                                  seed=SEED, train_iters=4)
+
+
+def _perturbed_logits(objs, probe, tangents, eps: float) -> torch.Tensor:
+    """Logits with the update applied for real at scale eps (dense params + eps tangent,
+    sketched weights + eps (-c D A) formed densely), then restored."""
+    module = unwrap(objs.model[0])
+    params = dict(module.named_parameters())
+    sketched = {}
+    for p in params.values():
+        slot = getattr(p, "logra_slot", None)
+        if slot is not None and id(slot) in tangents.low_rank:
+            t = tangents.low_rank[id(slot)]
+            sketched[id(p)] = (p, -t.coefficient * (t.d @ t.projection))
+    with torch.no_grad():
+        for n, t in tangents.dense.items():
+            params[n].add_(t, alpha=eps)
+        for p, dw in sketched.values():
+            p.add_(dw, alpha=eps)
+        logits, _ = logits_with_tangent(objs.model, probe, None)
+        for n, t in tangents.dense.items():
+            params[n].sub_(t, alpha=eps)
+        for p, dw in sketched.values():
+            p.sub_(dw, alpha=eps)
+    return logits
+
+
+@pytest.mark.parametrize("name", ["adam", "logra"])
+def test_tangent_matches_finite_difference_and_step_is_scaled(arch_dir, name):
+    arch = load_arch(arch_dir)
+    objs = _objects(arch, name)
+    batch = _batch(arch.vocab_size)
+    kw = dict(seq_length=24, micro_batch_size=2, vocab_size=arch.vocab_size)
+    # one plain step first, so Adam's second moments are not the first step's |g|
+    objs.optimizer.zero_grad()
+    forward_backward(objs.model, batch, **kw)
+    objs.optimizer.step()
+    objs.optimizer.zero_grad()
+    forward_backward(objs.model, batch, **kw)
+    probe = batch[0]
+    kl = PredictedKLStep(KLControlConfig(mode="predicted"), temperature=0.8,
+                         vocab_size=arch.vocab_size)
+    module = unwrap(objs.model[0])
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    seen = {}
+    alpha = 0.05  # KL ~ 1e-3 here: second order dominates
+
+    def choose_alpha(tangents):
+        if name == "logra":
+            assert len(tangents.low_rank) == 4 * 4 + 1 and tangents.dense  # + norms, biases
+        # the model is at the old weights while alpha is chosen
+        for n, p in module.named_parameters():
+            assert torch.equal(p, before[n]), n
+        logits, tangent = logits_with_tangent(objs.model, probe, tangents)
+        eps = 1e-2
+        fd = (_perturbed_logits(objs, probe, tangents, eps)
+              - _perturbed_logits(objs, probe, tangents, -eps)) / (2 * eps)
+        seen["rel_err"] = float((tangent - fd).abs().max() / fd.abs().max())
+        seen["k"] = kl.quadratic_form(objs.model, probe, tangents)
+        mask = probe["loss_mask"].bool()
+        seen["k_fd"] = float(kl_control.fisher_quadratic(
+            logits[mask], fd[mask], temperature=0.8, vocab_size=arch.vocab_size).mean())
+        seen["dense"] = {n: t.clone() for n, t in tangents.dense.items()}
+        seen["low_rank"] = {id(s): -t.coefficient * (t.d @ t.projection)
+                            for s, t in zip(objs.optimizer.sketches.slots,
+                                            tangents.low_rank.values())} if name == "logra" else {}
+        return alpha
+
+    ok, _, got_alpha = scaled_optimizer_step(objs.optimizer, objs.model, choose_alpha)
+    assert ok and got_alpha == alpha
+    assert seen["rel_err"] < 1e-3, seen
+    assert seen["k"] > 0 and seen["k"] == pytest.approx(seen["k_fd"], rel=1e-3)
+    # the applied update is alpha times the direction the tangent was taken along
+    after = dict(module.named_parameters())
+    for n, t in seen["dense"].items():
+        torch.testing.assert_close(after[n].detach() - before[n], alpha * t, rtol=1e-4,
+                                   atol=1e-7)
+    if name == "logra":
+        for slot, p in zip(objs.optimizer.sketches.slots, objs.optimizer.sketches.params):
+            n = next(k for k, v in after.items() if v is p)
+            torch.testing.assert_close(p.detach() - before[n], alpha * seen["low_rank"][id(slot)],
+                                       rtol=1e-4, atol=1e-7)
+    # realized KL(alpha) ~ alpha^2 K at this small step
+    realized = kl.realized_kl(objs.model, probe)
+    assert realized == pytest.approx(alpha ** 2 * seen["k"], rel=0.05), (realized, seen["k"])
+    assert math.isfinite(realized)
