@@ -73,20 +73,19 @@ def apply() -> None:
     from megatron.core.tensor_parallel import layers, mappings
 
     def _communicating(op):
-        """A mapping's jvp: the forward's communication applied to the tangent; a group of
-        one returns its input as-is, so the tangent is returned as a view then."""
+        """A mapping's jvp: the forward's communication applied to the tangent, the same
+        way (the reduce is in place and returns its input, the split returns a slice);
+        autograd wants a view back where the forward returned its input."""
         def jvp(ctx, x_t, _group):
-            group = ctx.mlogra_primals[1]
-            if group is None or group.size() == 1:
-                return x_t.view_as(x_t)
-            return op(x_t, group)
+            out = op(x_t, ctx.mlogra_primals[1])
+            return out.view_as(out) if out is x_t else out
         return jvp
 
     def copy_jvp(ctx, x_t, _group):
         return x_t.view_as(x_t)
 
-    reduce_jvp = _communicating(lambda t, g: mappings._reduce(t.clone(), g))
-    scatter_jvp = _communicating(lambda t, g: mappings._split_along_last_dim(t, g).clone())
+    reduce_jvp = _communicating(mappings._reduce)
+    scatter_jvp = _communicating(mappings._split_along_last_dim)
     gather_jvp = _communicating(mappings._gather_along_last_dim)
 
     for cls, jvp in ((mappings._CopyToModelParallelRegion, copy_jvp),

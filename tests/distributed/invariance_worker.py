@@ -4,7 +4,9 @@
 
 PLAN.json: {"out": DIR, "runs": [{"name": ..., "argv": [...]} ...]}. A run
 {"name", "sketch_check": [TP, PP]} instead compares LoGRA's sketches with the dense
-G A^T at that layout (``sketch_check.py``) and writes DIR/NAME.json. Each run is a
+G A^T at that layout (``sketch_check.py``) and writes DIR/NAME.json; a run
+{"name", "kl_check": [TP, PP, OPTIMIZER, DIST_OPT]} writes the predicted-KL
+controller's numbers there (``kl_check.py``). Each run is a
 normal launcher command line executed in-process (megatron's process groups are
 rebuilt per run); rank 0 writes DIR/NAME.pt = {"losses", "grad_norms", "weights"}
 with the weights gathered to full TP=1 tensors by canonical name.
@@ -36,6 +38,14 @@ def main() -> None:
             from sketch_check import sketch_vs_dense
 
             report = sketch_vs_dense(*run["sketch_check"], rt.world_size)
+            if rt.rank == 0:
+                (out / f"{run['name']}.json").write_text(json.dumps(report))
+                print(f"[worker] {run['name']}: {report}", flush=True)
+            continue
+        if "kl_check" in run:  # {"name", "kl_check": [tp, pp, optimizer, distributed_opt]}
+            from kl_check import kl_numbers
+
+            report = kl_numbers(*run["kl_check"], rt.world_size)
             if rt.rank == 0:
                 (out / f"{run['name']}.json").write_text(json.dumps(report))
                 print(f"[worker] {run['name']}: {report}", flush=True)

@@ -61,7 +61,7 @@ def main() -> None:
         # an untrained model earns no reward (zero advantages, no update): give the samples
         # +-1 advantages so that the weights move and the sync has something to carry
         samples = [replace(s, advantage=1.0 if k % 2 else -1.0) for k, s in enumerate(samples)]
-        record.update(run.train(samples))
+        record.update(run.train(samples, update))
         run.version = update + 1
         run.push_weights()
         result["records"].append(record)
