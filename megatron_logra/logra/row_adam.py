@@ -36,14 +36,20 @@ def row_scale(v: torch.Tensor, step: int, beta2: float) -> torch.Tensor:
 def direction(sketch: torch.Tensor, rho: torch.Tensor, mean_rho: float | torch.Tensor,
               eps: float) -> torch.Tensor:
     """D [out, r] = S / (rho + eps * mean_rho) (fp32). ``mean_rho`` is over ALL rows of the
-    layer (callers reduce it over tensor parallel ranks)."""
-    return sketch.float() / (rho + eps * mean_rho)[:, None]
+    layer (callers reduce it over tensor parallel ranks). A row that never had a gradient
+    (rho = 0, so S = 0; all of them when mean_rho = 0 too) gets D = 0, not 0 / 0."""
+    return sketch.float() / _denominator(rho, mean_rho, eps)[:, None]
+
+
+def _denominator(rho: torch.Tensor, mean_rho: float | torch.Tensor, eps: float) -> torch.Tensor:
+    denom = rho + eps * mean_rho
+    return torch.where(denom > 0, denom, torch.ones_like(denom))
 
 
 def direction_(sketch: torch.Tensor, rho: torch.Tensor, mean_rho: float | torch.Tensor,
                eps: float) -> torch.Tensor:
     """In place: an fp32 sketch [out, r] becomes D (as ``direction``); returns it."""
-    return sketch.div_((rho + eps * mean_rho)[:, None])
+    return sketch.div_(_denominator(rho, mean_rho, eps)[:, None])
 
 
 def update_sq_norm(d: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:

@@ -72,10 +72,13 @@ def test_rl_raises_held_out_reward(sft_checkpoint, tmp_path, optimizer):
 
 def test_resumed_run_continues_exactly(sft_checkpoint, tmp_path):
     """4 updates saved every 2, then the update-2 checkpoint resumed to 4: the same
-    rollouts (rewards, lengths) and the same losses for updates 3 and 4 (prompts and
-    sampling seeds follow from the update index; policy, Adam state and scheduler come
-    from the checkpoint)."""
-    short = [*COMMON, *RL, "--lr", "1e-3", "--train-iters", "4", "--eval-interval", "0"]
+    rollouts (rewards, lengths), the same losses and the same predicted-KL control
+    (budget schedule position, mismatch average, alpha) for updates 3 and 4 (prompts and
+    sampling seeds follow from the update index; policy, Adam state, scheduler and the
+    KL controller's state come from the checkpoint)."""
+    short = [*COMMON, *RL, "--lr", "1e-3", "--train-iters", "4", "--eval-interval", "0",
+             "--kl-control", "predicted", "--kl-budget", "1e-3", "--kl-budget-final", "1e-4",
+             "--kl-budget-steps", "4"]
     _launch([*short, "--load", str(sft_checkpoint), "--finetune", "--output-dir",
              str(tmp_path / "straight"), "--save", str(tmp_path / "ck"), "--save-interval", "2"],
             tmp_path)
@@ -92,3 +95,6 @@ def test_resumed_run_continues_exactly(sft_checkpoint, tmp_path):
         a, b = straight[step], resumed[step]
         assert (a["reward_mean"], a["response_len"]) == (b["reward_mean"], b["response_len"])
         assert abs(a["loss"] - b["loss"]) <= 1e-6, (step, a["loss"], b["loss"])
+        for key in ("kl_budget", "kl_mismatch_avg", "alpha", "kl_pred"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-12), (step, key, a, b)
+    assert straight[3]["kl_budget"] < straight[1]["kl_budget"]  # the schedule moved on

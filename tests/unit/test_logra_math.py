@@ -137,6 +137,19 @@ def test_first_step_direction_is_row_normalised():
     assert torch.allclose(d.pow(2).mean(1).sqrt(), torch.ones(4), atol=1e-5)
 
 
+def test_rows_without_gradient_get_a_zero_direction_not_nan():
+    """A batch with zero advantages (every GRPO group scored alike) gives S = 0: D must be
+    0 (no update), for the rows without gradient and for a layer without any."""
+    for s in (torch.zeros(3, 8), torch.cat([torch.zeros(1, 8), torch.randn(2, 8)])):
+        v = torch.zeros(3)
+        row_adam.update_row_moments(v, s, 0.95)
+        rho = row_adam.row_scale(v, 1, 0.95)
+        d = row_adam.direction(s, rho, float(rho.mean()), 1e-8)
+        d_inplace = row_adam.direction_(s.clone(), rho, float(rho.mean()), 1e-8)
+        assert torch.isfinite(d).all() and torch.equal(d, d_inplace)
+        assert torch.equal(d[0], torch.zeros(8))
+
+
 def test_update_norm_without_forming_da_and_split_over_column_slices():
     torch.manual_seed(2)
     d, a = torch.randn(10, 8), projection_block(9, 8, (0, 40))
