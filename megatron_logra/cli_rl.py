@@ -38,6 +38,16 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM weights dtype (float32: trainer/engine logprobs agree to ~1e-6)")
     g.add_argument("--rollout-kv-cache-gib", type=float, default=1.0, help="vLLM KV cache size")
     g.add_argument("--sync-bucket-mb", type=int, default=64, help="weight-push bucket size")
+    g.add_argument("--weight-sync", choices=("full", "sparse-delta", "sketch-delta"),
+                   default="full",
+                   help="full: HF tensors; sparse-delta: the engine-dtype elements that changed "
+                        "(exact); sketch-delta (LoGRA): per sketched weight D and its seed, the "
+                        "engine regenerates A and applies the update")
+    g.add_argument("--weight-sync-anchor-interval", type=int, default=0,
+                   help="a full push every N updates (0: only when a delta cannot be used)")
+    g.add_argument("--weight-sync-verify-interval", type=int, default=1,
+                   help="compare per-tensor fingerprints every N delta pushes (0: never); a "
+                        "mismatch resyncs that tensor")
     g = p.add_argument_group("predicted-KL step control")
     g.add_argument("--kl-control", choices=("none", "predicted"), default="none",
                    help="scale every update so its predicted KL meets the budget")
@@ -72,6 +82,12 @@ def rl_config(args: argparse.Namespace, dp: int) -> RLConfig:
         raise _Error("need 0 < --kl-budget-final <= --kl-budget")
     if args.kl_alpha_max <= 0:
         raise _Error("--kl-alpha-max must be > 0")
+    if args.weight_sync == "sketch-delta" and args.optimizer != "logra":
+        raise _Error("--weight-sync sketch-delta sends LoGRA's low-rank updates: it needs "
+                     "--optimizer logra (use --weight-sync full with Adam)")
+    if args.weight_sync_anchor_interval < 0 or args.weight_sync_verify_interval < 0:
+        raise _Error("--weight-sync-anchor-interval and --weight-sync-verify-interval must "
+                     "be >= 0")
     if args.seq_length < args.max_new_tokens + 8:
         raise _Error(f"--seq-length {args.seq_length} leaves no room for prompts with "
                      f"--max-new-tokens {args.max_new_tokens}; raise --seq-length")
@@ -96,4 +112,6 @@ def rl_config(args: argparse.Namespace, dp: int) -> RLConfig:
                     rollout_tensor_parallel_size=args.rollout_tensor_parallel_size,
                     rollout_dtype=args.rollout_dtype,
                     rollout_kv_cache_gib=args.rollout_kv_cache_gib,
-                    sync_bucket_mb=args.sync_bucket_mb, kl=kl)
+                    sync_bucket_mb=args.sync_bucket_mb, weight_sync=args.weight_sync,
+                    weight_sync_anchor_interval=args.weight_sync_anchor_interval,
+                    weight_sync_verify_interval=args.weight_sync_verify_interval, kl=kl)

@@ -117,6 +117,9 @@ class RLConfig:
     rollout_dtype: str = "float32"  # float32 | bfloat16
     rollout_kv_cache_gib: float = 1.0
     sync_bucket_mb: int = 64
+    weight_sync: str = "full"  # full | sparse-delta (changed elements) | sketch-delta (LoGRA)
+    weight_sync_anchor_interval: int = 0  # a full push every N updates (0: only when needed)
+    weight_sync_verify_interval: int = 1  # fingerprint check every N delta pushes (0: never)
     kl: KLControlConfig = field(default_factory=KLControlConfig)
 
 

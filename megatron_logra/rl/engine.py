@@ -16,10 +16,12 @@ pushes the weights again (``RolloutEngine.restart``).
 
 from __future__ import annotations
 
+import atexit
 import os
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.multiprocessing as tmp
@@ -27,6 +29,11 @@ import torch.multiprocessing as tmp
 
 class EngineError(RuntimeError):
     """The engine died or refused a request; restart it and push the weights again."""
+
+
+class PushRefused(ValueError):
+    """A weight push was refused before anything was applied (bad names or shapes, a delta
+    on the wrong base version); the engine still serves its previous version."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     seed: int = 0
     max_num_seqs: int = 128
+    hold_weights: bool = False  # keep an HF copy for delta pushes (one model copy of memory)
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 1800.0
 
@@ -81,10 +89,15 @@ def _serve(conn, cfg: EngineConfig) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         conn.send(("error", f"vLLM failed to start: {type(exc).__name__}: {exc}"))
         return
+    receiver = _HeldWeights(cfg) if cfg.hold_weights else None
     conn.send(("ok", "ready"))
-    handlers = {"generate": _generate, "load": _load, "commit": _commit,
+    handlers = {"generate": _generate, "load": partial(_load, receiver), "commit": _commit,
                 "version": lambda llm, _: llm.collective_rpc("mlogra_version")[0],
                 "prompt_logprobs": _prompt_logprobs}
+    if receiver is not None:
+        handlers.update(sketch_delta=receiver.sketch_delta, sparse_delta=receiver.sparse_delta,
+                        fingerprints=lambda llm, names: receiver.fingerprints(names),
+                        held=lambda llm, names: {n: receiver.weights[n] for n in names})
     while True:
         try:
             command, payload = conn.recv()
@@ -95,6 +108,8 @@ def _serve(conn, cfg: EngineConfig) -> None:
             return
         try:
             conn.send(("ok", handlers[command](llm, payload)))
+        except PushRefused as exc:  # nothing was applied: keep serving the previous version
+            conn.send(("refused", str(exc)))
         except Exception as exc:  # noqa: BLE001 - the engine is dead after an RPC failure
             conn.send(("error", f"{command}: {type(exc).__name__}: {exc}"))
             return
@@ -131,8 +146,79 @@ def _prompt_logprobs(llm, rows: list[list[int]]) -> list[list[float]]:
             for row, out in zip(rows, outputs)]
 
 
-def _load(llm, bucket: list[tuple[str, torch.Tensor]]) -> int:
-    return llm.collective_rpc("mlogra_load", args=(bucket,))[0]
+def _load(receiver, llm, bucket: list[tuple[str, torch.Tensor]]) -> int:
+    if receiver is not None:
+        receiver.check_full(bucket)
+    got = llm.collective_rpc("mlogra_load", args=(bucket,))[0]
+    if receiver is not None:
+        receiver.store(bucket)
+    return got
+
+
+class _HeldWeights:
+    """The engine process's own HF copy of the weights (engine dtype), for delta pushes.
+
+    vLLM-CPU repacks its linear weights for its GEMM kernels, so the live tensors cannot
+    be updated in place; the receiver applies a delta to this copy and loads the changed
+    tensors through ``reload_weights`` (which repacks them). Memory: one copy of the
+    model in the engine process."""
+
+    def __init__(self, cfg: EngineConfig):
+        from safetensors.torch import load_file
+
+        from megatron_logra.model.arch import load_arch
+
+        self.arch = load_arch(cfg.model_dir)
+        dtype = getattr(torch, cfg.dtype)
+        self.weights = {n: t.to(dtype) for n, t in
+                        load_file(os.path.join(cfg.model_dir, "model.safetensors")).items()}
+
+    def check_full(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in tensors:
+            held = self.weights.get(name)
+            if held is None or held.shape != t.shape:
+                raise PushRefused(f"weight push: {name} {tuple(t.shape)} does not match the "
+                                  f"engine's {None if held is None else tuple(held.shape)}")
+
+    def store(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in tensors:
+            self.weights[name].copy_(t)
+
+    def sketch_delta(self, llm, payload) -> int:
+        """Apply (sketch updates, full tensors) and load what changed; checked first."""
+        from megatron_logra.bridge.sketch_delta import apply_updates, check_updates
+
+        updates, full = payload
+        self.check_full(full)
+        try:
+            check_updates(self.arch, updates, {n: tuple(t.shape) for n, t in self.weights.items()})
+        except ValueError as exc:
+            raise PushRefused(str(exc)) from None
+        touched = apply_updates(self.arch, self.weights, updates)
+        self.store(full)
+        changed = [(n, self.weights[n]) for n in sorted(touched)] + list(full)
+        llm.collective_rpc("mlogra_load", args=(changed,))
+        return sum(u.nbytes() for u in updates) + sum(t.numel() * t.element_size()
+                                                      for _, t in full)
+
+    def sparse_delta(self, llm, deltas) -> int:
+        """Set the changed elements (all checked first) and load the tensors they are in."""
+        from megatron_logra.bridge.sparse_delta import apply_deltas, check_deltas
+
+        try:
+            check_deltas(deltas, self.weights)
+        except ValueError as exc:
+            raise PushRefused(str(exc)) from None
+        touched = apply_deltas(deltas, self.weights)
+        if touched:
+            llm.collective_rpc("mlogra_load", args=([(n, self.weights[n])
+                                                     for n in sorted(touched)],))
+        return sum(d.nbytes() for d in deltas)
+
+    def fingerprints(self, names: list[str]) -> dict[str, float]:
+        from megatron_logra.bridge.fingerprint import fingerprint
+
+        return {n: fingerprint(self.weights[n]) for n in names}
 
 
 def _commit(llm, version: int) -> int:
@@ -155,8 +241,14 @@ class RolloutEngine:
         ctx = tmp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         t0 = time.perf_counter()
-        self._proc = ctx.Process(target=_serve, args=(child, self.cfg), daemon=True)
+        # vLLM's TP executor starts worker processes, which a daemonic process may not: a
+        # TP > 1 engine is not daemonic, and is killed at exit (before multiprocessing
+        # would wait for it); it also exits by itself when this end of the pipe closes
+        daemon = self.cfg.tensor_parallel_size == 1
+        self._proc = ctx.Process(target=_serve, args=(child, self.cfg), daemon=daemon)
         self._proc.start()
+        if not daemon:
+            atexit.register(self._kill)
         child.close()
         self._call_raw(None, None, self.cfg.startup_timeout_s)
         self.startup_s = time.perf_counter() - t0
@@ -172,6 +264,8 @@ class RolloutEngine:
         except (EOFError, OSError, BrokenPipeError) as exc:
             raise EngineError(f"engine process died during {command or 'startup'} "
                               f"({type(exc).__name__}; exit code {self._proc.exitcode})") from None
+        if status == "refused":
+            raise PushRefused(value)
         if status != "ok":
             raise EngineError(value)
         return value
@@ -187,6 +281,38 @@ class RolloutEngine:
                 raise ValueError(f"weight push: {name} is not a floating-point tensor")
         self.version = -1
         return self._call("load", [(n, t.contiguous()) for n, t in bucket])
+
+    def sketch_delta(self, updates: list, full: list[tuple[str, torch.Tensor]], *,
+                     base_version: int, version: int) -> int:
+        """Apply one update's sketch deltas (+ full non-sketched tensors) on top of
+        ``base_version`` and commit ``version``; returns the bytes received. A refusal
+        (``PushRefused``) leaves the engine serving its previous version."""
+        return self._delta("sketch_delta", (updates, [(n, t.contiguous()) for n, t in full]),
+                           base_version, version)
+
+    def sparse_delta(self, deltas: list, *, base_version: int, version: int) -> int:
+        """Set the changed elements (``bridge.sparse_delta``) on top of ``base_version``
+        and commit ``version``; a refusal leaves the previous version serving."""
+        return self._delta("sparse_delta", deltas, base_version, version)
+
+    def _delta(self, command: str, payload, base_version: int, version: int) -> int:
+        if not self.cfg.hold_weights:
+            raise PushRefused(f"{command} needs an engine started with hold_weights")
+        if self.version != base_version:
+            raise PushRefused(f"a delta on version {base_version}, the engine serves "
+                              f"{self.version}: push full weights")
+        sent = self._call(command, payload)
+        self.version = -1
+        self.commit(version)
+        return sent
+
+    def fingerprints(self, names: list[str]) -> dict[str, float]:
+        """``bridge.fingerprint`` of the engine's held HF tensors."""
+        return self._call("fingerprints", names)
+
+    def held_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The engine's held HF tensors (tests: bit-exactness against the trainer)."""
+        return self._call("held", names)
 
     def commit(self, version: int) -> None:
         if version < 0:

@@ -35,12 +35,17 @@ from megatron_logra.config import RunConfig
 from megatron_logra.data.tokenizer import load_tokenizer
 from megatron_logra.rl import advantages as adv
 from megatron_logra.rl import rollouts
-from megatron_logra.rl.engine import EngineConfig, EngineError, RolloutEngine
+from megatron_logra.rl.engine import EngineConfig, EngineError, PushRefused, RolloutEngine
 from megatron_logra.rl.kl_step import PredictedKLStep
 from megatron_logra.rl.policy_loss import (REPORT_KEYS, RolloutSample, collate_rollouts,
                                            policy_gradient_loss)
 from megatron_logra.rl.verifiers import Verifier, VerifierConfig, generate_rl_items
-from megatron_logra.rl.weight_push import full_push, plan_push
+from megatron_logra.bridge.fingerprint import same_fingerprint
+from megatron_logra.bridge.sketch_delta import owned_updates
+from megatron_logra.model.hf_mapping import (hf_from_megatron, megatron_param_names,
+                                             megatron_param_shape)
+from megatron_logra.rl.weight_push import (full_push, plan_push, sparse_push,
+                                           trainer_fingerprints)
 from megatron_logra.runtime.device import peak_memory_bytes, synchronize
 from megatron_logra.training import checkpointing
 from megatron_logra.training.metrics import MetricsLog
@@ -67,6 +72,9 @@ class SyncStats:
     seconds: float = 0.0
     restarts: int = 0
     pushes: int = 0
+    delta_pushes: int = 0
+    fingerprint_mismatches: int = 0
+    last_transport: str = "full"
 
 
 class RLRun:
@@ -77,6 +85,19 @@ class RLRun:
         self.rank = dist.get_rank()
         self.dtype = _DTYPES[cfg.rl.rollout_dtype]
         self.plan = plan_push(self.objs.model, self.objs.arch)
+        arch = self.objs.arch
+        self.hf_source = {hf: n for n in megatron_param_names(arch) for hf, _ in hf_from_megatron(
+            arch, n, torch.empty(megatron_param_shape(arch, n), device="meta"))}
+        self.unsketched = None
+        # sparse-delta: what each sender last sent (engine dtype), and the version it was
+        self.shadow = {} if cfg.rl.weight_sync == "sparse-delta" else None
+        self.shadow_version = -1
+        if cfg.rl.weight_sync == "sketch-delta":
+            self.objs.optimizer.keep_updates = True  # (D, coefficient, seed) of each update
+            names = [None] * dist.get_world_size()
+            dist.all_gather_object(names, [s.name for s in self.objs.optimizer.sketches.slots])
+            sketched = {n for ns in names for n in ns}
+            self.unsketched = [n for n in megatron_param_names(arch) if n not in sketched]
         self.baseline = adv.RunningBaseline(cfg.rl.baseline_decay)
         extra = self.prep.extra_state or {}
         kl = cfg.rl.kl
@@ -120,7 +141,8 @@ class RLRun:
         engine_cfg = EngineConfig(
             str(self._engine_init_dir()), max_model_len=cfg.training.seq_length + 1,
             dtype=rl.rollout_dtype, kv_cache_gib=rl.rollout_kv_cache_gib,
-            tensor_parallel_size=rl.rollout_tensor_parallel_size, seed=rl.rollout_seed)
+            tensor_parallel_size=rl.rollout_tensor_parallel_size, seed=rl.rollout_seed,
+            hold_weights=rl.weight_sync != "full")
         print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",
               flush=True)
         verifier = Verifier(VerifierConfig(reward=rl.reward, timeout_s=rl.verifier_timeout_s))
@@ -142,12 +164,13 @@ class RLRun:
         return out
 
     # --- weight sync (collective) ----------------------------------------------------------
-    def push_weights(self) -> None:
+    def push_weights(self, transport: str | None = None) -> None:
         """Push the trainer's weights as version ``self.version``; restart and retry on
-        failure (every rank takes part: the push is a collective)."""
+        failure (every rank takes part: the push is a collective). ``transport`` forces
+        one (tests, benchmarks; a delta still needs the engine at the previous version)."""
         for attempt in range(3):
             t0 = time.perf_counter()
-            failed, sent = self._push_once()
+            failed, sent = self._push_once(transport)
             flag = torch.tensor([int(bool(failed))])
             dist.broadcast(flag, src=0)
             self.sync.seconds += time.perf_counter() - t0
@@ -160,13 +183,40 @@ class RLRun:
                 self._restart_engine()
         raise RuntimeError("weight push failed 3 times: see the engine errors above")
 
-    def _push_once(self) -> tuple[str, int]:
+    def _transport(self, wanted: str | None) -> str:
+        """This push's transport, the same on every rank: sketch-delta when configured and
+        the engine serves exactly the previous version (not after a start or a restart,
+        not on an anchor update), else full."""
+        rl = self.cfg.rl
+        wanted = wanted or rl.weight_sync
+        choice = ["full"]
+        if self.rank == 0 and wanted != "full" and self.engine is not None:
+            anchor = rl.weight_sync_anchor_interval
+            base_ok = self.engine.version == self.version - 1
+            if wanted == "sparse-delta":  # its base: the tensors the senders last sent
+                base_ok = base_ok and self.shadow is not None \
+                    and self.shadow_version == self.version - 1
+            if base_ok and not (anchor and self.version % anchor == 0):
+                choice = [wanted]
+        dist.broadcast_object_list(choice, src=0)
+        return choice[0]
+
+    def _push_once(self, transport: str | None) -> tuple[str, int]:
         """(failure message or "", bytes sent). The very first push writes the engine's
         start-up weights instead (then starts it from them)."""
+        self.sync.last_transport = self._transport(transport)
+        if self.sync.last_transport != "full":
+            result = self._push_delta(self.sync.last_transport)
+            if result is not None:
+                return result
+            self.sync.last_transport = "full"  # refused (nothing applied): full weights
+        return self._push_full()
+
+    def _push_full(self) -> tuple[str, int]:
         starting = self.rank == 0 and self.engine is None
         failed, sent, saved = "", 0, {}
         buckets = full_push(self.objs.model, self.objs.arch, self.plan, dtype=self.dtype,
-                            bucket_bytes=self.cfg.rl.sync_bucket_mb * 2**20)
+                            bucket_bytes=self.cfg.rl.sync_bucket_mb * 2**20, shadow=self.shadow)
         for bucket in buckets:  # rank 0 only; other ranks send inside the generator
             if starting:
                 saved.update(bucket)
@@ -175,6 +225,8 @@ class RLRun:
                     sent += self.engine.load(bucket)
                 except (EngineError, ValueError) as exc:
                     failed = str(exc)
+        if self.shadow is not None:
+            self.shadow_version = self.version
         if self.rank != 0:
             return "", 0
         if starting:
@@ -191,6 +243,83 @@ class RLRun:
                   f"TP{rl.rollout_tensor_parallel_size})", flush=True)
             return "", sum(t.numel() * t.element_size() for t in saved.values())
         if not failed:
+            try:
+                self.engine.commit(self.version)
+            except EngineError as exc:
+                failed = str(exc)
+        return failed, sent
+
+    def _push_delta(self, kind: str) -> tuple[str, int] | None:
+        """A delta push (every rank sends its own part to rank 0; the engine applies it to
+        its held copy): "sketch-delta", every rank's own rows of D (+ seed, coefficient)
+        and the unsketched params in full; "sparse-delta", each sender's changed elements.
+        Then (every --weight-sync-verify-interval pushes) fingerprints of every tensor on
+        both sides; a mismatching tensor is resent in full. None: refused before anything
+        was applied (the caller pushes full weights)."""
+        full = []
+        if kind == "sketch-delta":
+            mine = owned_updates(self.objs.optimizer)
+            full = [t for bucket in full_push(self.objs.model, self.objs.arch, self.plan,
+                                              dtype=self.dtype, names=self.unsketched)
+                    for t in bucket]
+        else:
+            mine = sparse_push(self.objs.model, self.objs.arch, self.plan, dtype=self.dtype,
+                               shadow=self.shadow)
+        everyone = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(mine, everyone, dst=0)
+        failed, sent, refused = "", 0, [False]
+        if self.rank == 0:
+            payload = [x for part in everyone for x in part]
+            versions = {"base_version": self.version - 1, "version": self.version}
+            try:
+                if kind == "sketch-delta":
+                    sent = self.engine.sketch_delta(payload, full, **versions)
+                else:
+                    sent = self.engine.sparse_delta(payload, **versions)
+            except PushRefused as exc:
+                print(f"{kind} push refused ({exc}); pushing full weights", flush=True)
+                refused = [True]
+            except EngineError as exc:
+                failed = str(exc)
+        dist.broadcast_object_list(refused, src=0)
+        if refused[0]:
+            return None
+        self.sync.delta_pushes += 1
+        if kind == "sparse-delta":
+            self.shadow_version = self.version
+        every = self.cfg.rl.weight_sync_verify_interval
+        if not failed and every and self.sync.delta_pushes % every == 0:
+            failed, resent = self._verify_fingerprints()
+            sent += resent
+        return failed, sent
+
+    def _verify_fingerprints(self) -> tuple[str, int]:
+        """Trainer vs engine fingerprints of every HF tensor; resend the mismatches."""
+        mine = trainer_fingerprints(self.objs.model, self.objs.arch, self.plan, dtype=self.dtype)
+        bad = [[]]
+        if self.rank == 0:
+            try:
+                theirs = self.engine.fingerprints(sorted(mine))
+                bad = [[n for n in sorted(mine) if not same_fingerprint(mine[n], theirs[n])]]
+            except EngineError as exc:
+                return str(exc), 0
+        dist.broadcast_object_list(bad, src=0)
+        if not bad[0]:
+            return "", 0
+        self.sync.fingerprint_mismatches += len(bad[0])
+        if self.rank == 0:
+            print(f"weight sync: fingerprint mismatch in {len(bad[0])} tensors "
+                  f"({bad[0][:3]}...); resending them in full", flush=True)
+        names = sorted({self.hf_source[hf] for hf in bad[0]})
+        sent, failed = 0, ""
+        for bucket in full_push(self.objs.model, self.objs.arch, self.plan, dtype=self.dtype,
+                                names=names):
+            if not failed:
+                try:
+                    sent += self.engine.load(bucket)
+                except (EngineError, ValueError) as exc:
+                    failed = str(exc)
+        if self.rank == 0 and not failed:
             try:
                 self.engine.commit(self.version)
             except EngineError as exc:
@@ -367,6 +496,8 @@ def _loop(run: RLRun) -> RunResult:
         run.push_weights()
         record.update(step=update + 1, lr=lr, sync_bytes=run.sync.bytes - sync_before[0],
                       sync_time_s=run.sync.seconds - sync_before[1],
+                      sync_transport=run.sync.last_transport,
+                      fingerprint_mismatches=run.sync.fingerprint_mismatches,
                       engine_restarts=run.sync.restarts, peak_mem_bytes=peak_memory_bytes(),
                       step_time_s=time.perf_counter() - t0)
         last = update + 1 == t.train_iters

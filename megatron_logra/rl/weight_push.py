@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_logra.bridge.fingerprint import fingerprint
+from megatron_logra.bridge.sparse_delta import SparseDelta, changed_elements
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.hf_mapping import (hf_from_megatron, megatron_param_names,
                                              megatron_param_shape)
@@ -58,26 +60,45 @@ def plan_push(model_chunks, arch: ModelArch) -> PushPlan:
 
 
 @torch.no_grad()
-def full_push(model_chunks, arch: ModelArch, plan: PushPlan, *, dtype: torch.dtype,
-              bucket_bytes: int = 64 * 2**20) -> Iterator[Bucket]:
-    """Yield buckets of (HF name, full CPU tensor in ``dtype``) on rank 0; see module doc."""
+def _sender_hf_tensors(model_chunks, arch: ModelArch, plan: PushPlan,
+                       names: list[str] | None = None):
+    """Per canonical parameter (canonical order; ``names``: only these): (name, its full HF
+    tensors on its sender rank, None on every other rank). The sender's TP peers take part
+    in the gather."""
     rank = dist.get_rank()
     canonical = canonical_param_names(model_chunks[0], arch)
     local = {canonical[n]: p for n, p in unwrap(model_chunks[0]).named_parameters()}
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     stage_owner_dp0 = parallel_state.get_data_parallel_rank() == 0
-    bucket: Bucket = []
-    size = 0
+    wanted = None if names is None else set(names)
     for name in megatron_param_names(arch):
+        if wanted is not None and name not in wanted:
+            continue
         sender = plan.sender[name]
         hf_tensors = None
-        # every TP rank of the sender's group takes part in the gather
         if name in local and stage_owner_dp0 and _tp_peer_of(sender):
             full = _gather_tp(local[name], tp_group, tp_size)
             if rank == sender:
-                hf_tensors = [(n, t.to(dtype).cpu().contiguous())
-                              for n, t in hf_from_megatron(arch, name, full)]
+                hf_tensors = hf_from_megatron(arch, name, full)
+        yield name, hf_tensors
+
+
+def full_push(model_chunks, arch: ModelArch, plan: PushPlan, *, dtype: torch.dtype,
+              bucket_bytes: int = 64 * 2**20, names: list[str] | None = None,
+              shadow: dict[str, torch.Tensor] | None = None) -> Iterator[Bucket]:
+    """Yield buckets of (HF name, full CPU tensor in ``dtype``) on rank 0; see module doc.
+    ``names``: only these canonical parameters (in canonical order), else all. ``shadow``:
+    each sender records what it sent there (the base of the next sparse delta)."""
+    rank = dist.get_rank()
+    bucket: Bucket = []
+    size = 0
+    for name, hf_tensors in _sender_hf_tensors(model_chunks, arch, plan, names):
+        if hf_tensors is not None:
+            hf_tensors = [(n, t.to(dtype).cpu().contiguous()) for n, t in hf_tensors]
+            if shadow is not None:
+                shadow.update((n, t.clone()) for n, t in hf_tensors)
+        sender = plan.sender[name]
         if sender != 0:
             hf_tensors = _relay(hf_tensors, arch, name, sender, dtype)
         if rank != 0:
@@ -90,6 +111,34 @@ def full_push(model_chunks, arch: ModelArch, plan: PushPlan, *, dtype: torch.dty
             bucket, size = [], 0
     if rank == 0 and bucket:
         yield bucket
+
+
+def sparse_push(model_chunks, arch: ModelArch, plan: PushPlan, *, dtype: torch.dtype,
+                shadow: dict[str, torch.Tensor]) -> list[SparseDelta]:
+    """This rank's sparse deltas (as the sender of its parameters) against ``shadow``, which
+    they update; the caller gathers them to rank 0."""
+    out = []
+    for _, hf_tensors in _sender_hf_tensors(model_chunks, arch, plan):
+        for n, t in hf_tensors or []:
+            if n not in shadow:
+                raise RuntimeError(f"sparse delta: {n} was never pushed in full from this rank")
+            out.append(changed_elements(n, t.to(dtype).cpu().contiguous(), shadow[n]))
+    return out
+
+
+def trainer_fingerprints(model_chunks, arch: ModelArch, plan: PushPlan, *,
+                         dtype: torch.dtype) -> dict[str, float]:
+    """``bridge.fingerprint`` of every HF tensor of the trainer's weights in the engine's
+    ``dtype``, on rank 0 (each sender computes its own after the TP gather; only the
+    numbers move)."""
+    mine = {}
+    for _, hf_tensors in _sender_hf_tensors(model_chunks, arch, plan):
+        if hf_tensors is not None:
+            mine.update((n, fingerprint(t.to(dtype))) for n, t in hf_tensors)
+    rank = dist.get_rank()
+    everyone = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    return {k: v for d in everyone for k, v in d.items()} if rank == 0 else {}
 
 
 def _tp_peer_of(sender: int) -> bool:
@@ -123,3 +172,4 @@ def _relay(hf_tensors, arch: ModelArch, name: str, sender: int, dtype: torch.dty
         dist.recv(tensor, src=sender)
         out.append((hf_name, tensor))
     return out
+

@@ -26,7 +26,8 @@ EXPECTED_FLAGS = {
     "--verifier-timeout", "--eval-interval", "--eval-prompts", "--eval-samples",
     "--rollout-tensor-parallel-size", "--rollout-dtype", "--rollout-kv-cache-gib",
     "--sync-bucket-mb", "--kl-control", "--kl-budget", "--kl-budget-final", "--kl-budget-steps",
-    "--kl-alpha-max", "--kl-probe-responses",
+    "--kl-alpha-max", "--kl-probe-responses", "--weight-sync", "--weight-sync-anchor-interval",
+    "--weight-sync-verify-interval",
 }
 
 
@@ -66,6 +67,8 @@ def test_valid_command_line_gives_frozen_config():
     (["--stage", "rl", "--kl-control", "predicted", "--kl-probe-responses", "64"], 1,
      "--kl-probe-responses 64 exceeds"),
     (["--stage", "rl", "--responses-per-prompt", "1"], 1, "grpo needs --responses-per-prompt >= 2"),
+    (["--stage", "rl", "--weight-sync", "sketch-delta"], 1, "it needs --optimizer logra"),
+    (["--stage", "rl", "--weight-sync-anchor-interval", "-1"], 1, "must be >= 0"),
     (["--stage", "rl", "--temperature", "0"], 1, "--temperature 0.0 must be > 0"),
     (["--stage", "rl", "--max-new-tokens", "300", "--seq-length", "256"], 1, "raise --seq-length"),
     (["--stage", "rl", "--kl-budget", "1e-5", "--kl-budget-final", "1e-4"], 1,

@@ -1,0 +1,161 @@
+"""Weight sync into a live vLLM engine: full push vs sketch delta, side by side.
+
+    .venv/bin/python benchmarks/sync.py [--updates 3] [--rank 64]
+
+SmolLM2-135M-Instruct (``make demo`` converts it; models/ and ckpts/), bf16 weights,
+LoGRA in SR mode (``--logra-master-weights none``) on every target, a bf16 vLLM-CPU
+engine holding its HF copy. Per update (a real LoGRA step on a random batch) a delta
+push, sketch-delta and sparse-delta in turn (sketch: D rows + seeds of the sketched
+weights, the small unsketched tensors in full; sparse: the bf16 elements that
+changed), then a full push of the same weights; bytes and wall time of each, the
+trainer-side assembly time of each payload, and after every push whether the
+engine's weights equal the trainer's bit for bit. The fingerprint check is timed on
+its own (``verify_time_s``; on by default every delta push). Projections for 7B and
+27B: bytes per sync from their shapes. Last stdout line: the JSON, with
+``sync_bytes_ratio``, ``sync_time_ratio`` (sketch-delta / full) and ``exact``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from memory_plan import SHAPES, layer_linears  # noqa: E402
+
+MODEL, CKPT = REPO / "models" / "smollm2-135m-instruct", REPO / "ckpts" / "smollm2"
+
+
+def projected_bytes(shape_name: str, rank: int) -> dict:
+    """bf16 bytes per sync: full (every param) vs sketch delta (out x r bf16 D + 8-byte row
+    index per sketched row, norms in full; the embedding sketched, all rows counted)."""
+    s = SHAPES[shape_name]
+    linears = layer_linears(s)
+    full_linear = sum(o * i for o, i, _ in linears) * s.layers
+    norms = (2 * s.layers + 1) * s.hidden
+    embedding = s.vocab * s.hidden * (1 if s.tied else 2)
+    full = 2 * (full_linear + norms + embedding)
+    sketched_rows = sum(o for o, _, _ in linears) * s.layers + s.vocab * (1 if s.tied else 2)
+    delta = sketched_rows * (2 * rank + 8) + 2 * norms
+    return {"full_bytes": full, "sketch_delta_bytes": delta,
+            "sync_bytes_ratio": round(delta / full, 5)}
+
+
+def _random_microbatches(vocab: int, seq: int, seed: int) -> list[dict]:
+    from megatron_logra.model.logits import causal_inputs
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (2, seq), generator=g)
+    mb = causal_inputs(tokens)
+    mb.update(labels=torch.roll(tokens, -1, 1), loss_mask=torch.ones(2, seq))
+    return [{k: v.cpu() for k, v in mb.items()}]
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--updates", type=int, default=4)
+    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--seq-length", type=int, default=64)
+    args = p.parse_args(argv)
+    if not (MODEL / "model.safetensors").exists() or not (CKPT / "latest").exists():
+        raise SystemExit(f"needs {MODEL} and {CKPT}: run `make demo` once (it converts "
+                         "SmolLM2-135M-Instruct with checkpoints_tools)")
+    from megatron_logra.bridge.sketch_delta import owned_updates
+    from megatron_logra.rl.weight_push import sparse_push
+    from megatron_logra.cli import parse_run_config
+    from megatron_logra.rl.loop import RLRun
+    from megatron_logra.rl.weight_push import full_push, trainer_fingerprints
+    from megatron_logra.training.step import train_step
+
+    out_dir = REPO / "runs" / "bench_sync"
+    cfg = parse_run_config([
+        "--stage", "rl", "--model-dir", str(MODEL), "--load", str(CKPT), "--finetune",
+        "--bf16", "--rollout-dtype", "bfloat16", "--optimizer", "logra",
+        "--logra-rank", str(args.rank), "--logra-targets", "qkv,proj,fc1,fc2,embedding",
+        "--logra-update-ratio", "2e-3", "--logra-master-weights", "none",
+        "--weight-sync", "sketch-delta", "--weight-sync-verify-interval", "0",
+        "--seq-length", str(args.seq_length + 64), "--task", "basic_arithmetic",
+        "--dataset-size", "64", "--eval-prompts", "4", "--train-iters", str(args.updates),
+        "--max-new-tokens", "8",
+        "--micro-batch-size", "2", "--prompts-per-step", "1", "--responses-per-prompt", "2",
+        "--output-dir", str(out_dir)])
+    run = RLRun(cfg)
+    objs, arch = run.objs, run.objs.arch
+    rows: list[dict] = []
+
+    def exact_now() -> bool:
+        mine = {n: t for b in full_push(objs.model, arch, run.plan, dtype=torch.bfloat16)
+                for n, t in b}
+        theirs = run.engine.held_weights(sorted(mine))
+        return all(torch.equal(mine[n], theirs[n]) for n in mine)
+
+    try:
+        run.shadow = {}  # the sparse-delta base, recorded by every full push
+        run.push_weights(transport="full")
+        exact = True
+        for update in range(args.updates):
+            transport = ("sketch-delta", "sparse-delta")[update % 2]
+            train_step(objs, _random_microbatches(arch.vocab_size, args.seq_length, update),
+                       seq_length=args.seq_length, micro_batch_size=2)
+            run.version = update + 1
+            if transport == "sketch-delta":
+                _, assembly = _timed(lambda: owned_updates(objs.optimizer))
+            else:  # on a copy of the shadow: the push itself must still see the change
+                shadow = {n: t.clone() for n, t in run.shadow.items()}
+                _, assembly = _timed(lambda: sparse_push(objs.model, arch, run.plan,
+                                                         dtype=torch.bfloat16, shadow=shadow))
+            before = run.sync.bytes
+            _, delta_time = _timed(lambda: run.push_weights(transport=transport))
+            assert run.sync.last_transport == transport, run.sync.last_transport
+            delta_bytes = run.sync.bytes - before
+            exact = exact and exact_now()
+            _, full_assembly = _timed(lambda: [b for b in full_push(
+                objs.model, arch, run.plan, dtype=torch.bfloat16)])
+            before = run.sync.bytes
+            _, full_time = _timed(lambda: run.push_weights(transport="full"))  # same weights
+            rows.append({"update": update + 1, "transport": transport,
+                         "delta_bytes": delta_bytes, "full_bytes": run.sync.bytes - before,
+                         "delta_time_s": delta_time, "full_time_s": full_time,
+                         "delta_assembly_s": assembly, "full_assembly_s": full_assembly})
+            print(json.dumps(rows[-1]), flush=True)
+        exact = exact and exact_now()
+        fingerprints, verify_time = _timed(lambda: trainer_fingerprints(
+            objs.model, arch, run.plan, dtype=torch.bfloat16))
+        _, engine_verify = _timed(lambda: run.engine.fingerprints(sorted(fingerprints)))
+    finally:
+        run.close()
+
+    def median(transport: str, key: str) -> float:
+        return statistics.median(r[key] for r in rows if r["transport"] == transport)
+
+    per = {t: {k: median(t, k) for k in ("delta_bytes", "delta_time_s", "delta_assembly_s")}
+           for t in ("sketch-delta", "sparse-delta")}
+    full = {k: statistics.median(r[k] for r in rows)
+            for k in ("full_bytes", "full_time_s", "full_assembly_s")}
+    report = {"benchmark": "sync", "model": "smollm2-135m", "rank": args.rank,
+              "updates": args.updates, "per_update": rows, "full": full, **per,
+              "verify_time_s": verify_time + engine_verify,
+              "projection": {name: projected_bytes(name, 256) for name in ("7B", "27B")},
+              "projection_smollm2_r": projected_bytes("smollm2-135m", args.rank),
+              "sparse_bytes_ratio": round(per["sparse-delta"]["delta_bytes"] / full["full_bytes"], 5),
+              "sync_bytes_ratio": round(per["sketch-delta"]["delta_bytes"] / full["full_bytes"], 5),
+              "sync_time_ratio": round(per["sketch-delta"]["delta_time_s"] / full["full_time_s"], 4),
+              "exact": bool(exact)}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

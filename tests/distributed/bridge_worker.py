@@ -1,0 +1,115 @@
+"""torchrun worker of tests/distributed/test_weight_bridge.py: the three sync transports, checked.
+
+    torchrun --nproc-per-node N tests/distributed/bridge_worker.py OUT.json RUN_DIR
+
+For each trainer layout of the launch (``LAYOUTS``: bf16 weights, LoGRA in SR mode,
+every sketch target, a bf16 engine of vLLM TP1 or TP2): four RL updates, pushed as
+sketch-delta, sparse-delta, sketch-delta, full (the start-up push is full). After
+every push rank 0 compares the engine's held HF tensors with the trainer's weights
+(gathered to HF tensors) element by element, and at the end the logprobs; it checks
+that a delta on the wrong base version is refused with the engine still serving.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import sys
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+BASE = ["--stage", "rl", "--task", "basic_arithmetic", "--prompts-per-step", "4",
+        "--responses-per-prompt", "4", "--micro-batch-size", "4", "--seq-length", "96",
+        "--max-new-tokens", "16", "--dataset-size", "60", "--eval-prompts", "4",
+        "--bf16", "--rollout-dtype", "bfloat16", "--optimizer", "logra", "--logra-rank", "16",
+        "--logra-targets", "qkv,proj,fc1,fc2,embedding", "--logra-update-ratio", "2e-2",
+        "--logra-master-weights", "none", "--weight-sync", "sketch-delta", "--lr", "3e-3"]
+TP2, PP2, ENGINE_TP2 = (["--tensor-model-parallel-size", "2"],
+                        ["--pipeline-model-parallel-size", "2"],
+                        ["--rollout-tensor-parallel-size", "2"])
+LAYOUTS = {1: {"tp1": []},
+           2: {"tp2_engine_tp2": [*TP2, *ENGINE_TP2], "pp2": PP2},
+           4: {"tp2pp2": [*TP2, *PP2]}}
+TRANSPORTS = ["sparse-delta", "sketch-delta", "sketch-delta", "full"]
+
+
+def _trainer_hf(run) -> dict[str, torch.Tensor]:
+    from megatron_logra.rl.weight_push import full_push
+
+    return {n: t for bucket in full_push(run.objs.model, run.objs.arch, run.plan,
+                                         dtype=torch.bfloat16) for n, t in bucket}
+
+
+def _differing(run) -> list[str] | None:
+    mine = _trainer_hf(run)
+    if dist.get_rank() != 0:
+        return None
+    theirs = run.engine.held_weights(sorted(mine))
+    return sorted(n for n in mine if not torch.equal(mine[n], theirs[n]))
+
+
+def _check_layout(argv: list[str]) -> dict:
+    from megatron_logra.cli import parse_run_config
+    from megatron_logra.rl.engine import PushRefused
+    from megatron_logra.rl.loop import RLRun
+    from rl_worker import engine_logprobs, trainer_logprobs
+
+    run = RLRun(parse_run_config(argv))
+    out = {"transports": [], "bytes": [], "differing": []}
+    try:
+        run.shadow = {}  # the sparse-delta base: recorded by the next full push
+        run.push_weights(transport="full")
+        for update, transport in enumerate(TRANSPORTS):
+            samples, _ = run.rollout_batch(update)
+            samples = [replace(s, advantage=1.0 if k % 2 else -1.0) for k, s in enumerate(samples)]
+            run.train(samples, update)
+            run.version = update + 1
+            before = run.sync.bytes
+            run.push_weights(transport=transport)
+            out["transports"].append(run.sync.last_transport)
+            out["bytes"].append(run.sync.bytes - before)
+            out["differing"].append(_differing(run))
+        rows = torch.randint(0, run.objs.arch.vocab_size, (3, 24),
+                             generator=torch.Generator().manual_seed(5))
+        trainer = trainer_logprobs(run, rows)
+        engine = engine_logprobs(run, rows)
+        if dist.get_rank() == 0:
+            out["logprob_diff"] = float((trainer - engine).abs().max())
+            out["full_bytes"] = sum(t.numel() * t.element_size()
+                                    for t in run.engine.held_weights(
+                                        sorted(run.hf_source)).values())
+            try:  # a delta on a base the engine does not serve: refused, nothing applied
+                run.engine.sketch_delta([], [], base_version=run.version + 5,
+                                        version=run.version + 6)
+                out["refused"] = False
+            except PushRefused as exc:
+                out["refused"] = "push full weights" in str(exc)
+            out["serving_after_refusal"] = run.engine.engine_version() == run.version
+        out["fingerprint_mismatches"] = run.sync.fingerprint_mismatches
+    finally:
+        run.close()
+    return out
+
+
+def main() -> None:
+    from megatron_logra.runtime.device import init_runtime
+
+    faulthandler.dump_traceback_later(900, exit=True)  # a hang prints every thread's stack
+
+    out_path, run_dir = sys.argv[1], sys.argv[2]
+    rt = init_runtime()
+    result = {}
+    for name, flags in LAYOUTS[rt.world_size].items():
+        result[name] = _check_layout([*BASE, *flags, "--output-dir", f"{run_dir}/{name}"])
+        if rt.rank == 0:
+            print(f"[bridge] {name}: {result[name]}", flush=True)
+    if rt.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
