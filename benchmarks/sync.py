@@ -97,13 +97,13 @@ def main(argv=None) -> None:
     rows: list[dict] = []
 
     def exact_now() -> bool:
-        mine = {n: t for b in full_push(objs.model, arch, run.plan, dtype=torch.bfloat16)
+        mine = {n: t for b in full_push(objs.model, arch, run.weights.plan, dtype=torch.bfloat16)
                 for n, t in b}
         theirs = run.engine.held_weights(sorted(mine))
         return all(torch.equal(mine[n], theirs[n]) for n in mine)
 
     try:
-        run.shadow = {}  # the sparse-delta base, recorded by every full push
+        run.weights.track_changes()  # the sparse-delta base, recorded by every full push
         run.push_weights(transport="full")
         exact = True
         for update in range(args.updates):
@@ -114,8 +114,8 @@ def main(argv=None) -> None:
             if transport == "sketch-delta":
                 _, assembly = _timed(lambda: owned_updates(objs.optimizer))
             else:  # on a copy of the shadow: the push itself must still see the change
-                shadow = {n: t.clone() for n, t in run.shadow.items()}
-                _, assembly = _timed(lambda: sparse_push(objs.model, arch, run.plan,
+                shadow = {n: t.clone() for n, t in run.weights.shadow.items()}
+                _, assembly = _timed(lambda: sparse_push(objs.model, arch, run.weights.plan,
                                                          dtype=torch.bfloat16, shadow=shadow))
             before = run.sync.bytes
             _, delta_time = _timed(lambda: run.push_weights(transport=transport))
@@ -123,7 +123,7 @@ def main(argv=None) -> None:
             delta_bytes = run.sync.bytes - before
             exact = exact and exact_now()
             _, full_assembly = _timed(lambda: [b for b in full_push(
-                objs.model, arch, run.plan, dtype=torch.bfloat16)])
+                objs.model, arch, run.weights.plan, dtype=torch.bfloat16)])
             before = run.sync.bytes
             _, full_time = _timed(lambda: run.push_weights(transport="full"))  # same weights
             rows.append({"update": update + 1, "transport": transport,
@@ -133,7 +133,7 @@ def main(argv=None) -> None:
             print(json.dumps(rows[-1]), flush=True)
         exact = exact and exact_now()
         fingerprints, verify_time = _timed(lambda: trainer_fingerprints(
-            objs.model, arch, run.plan, dtype=torch.bfloat16))
+            objs.model, arch, run.weights.plan, dtype=torch.bfloat16))
         _, engine_verify = _timed(lambda: run.engine.fingerprints(sorted(fingerprints)))
     finally:
         run.close()

@@ -89,7 +89,11 @@ def _serve(conn, cfg: EngineConfig) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         conn.send(("error", f"vLLM failed to start: {type(exc).__name__}: {exc}"))
         return
-    receiver = _HeldWeights(cfg) if cfg.hold_weights else None
+    receiver = None
+    if cfg.hold_weights:
+        from megatron_logra.bridge.held_weights import HeldWeights
+
+        receiver = HeldWeights(cfg.model_dir, cfg.dtype)
     conn.send(("ok", "ready"))
     handlers = {"generate": _generate, "load": partial(_load, receiver), "commit": _commit,
                 "version": lambda llm, _: llm.collective_rpc("mlogra_version")[0],
@@ -153,72 +157,6 @@ def _load(receiver, llm, bucket: list[tuple[str, torch.Tensor]]) -> int:
     if receiver is not None:
         receiver.store(bucket)
     return got
-
-
-class _HeldWeights:
-    """The engine process's own HF copy of the weights (engine dtype), for delta pushes.
-
-    vLLM-CPU repacks its linear weights for its GEMM kernels, so the live tensors cannot
-    be updated in place; the receiver applies a delta to this copy and loads the changed
-    tensors through ``reload_weights`` (which repacks them). Memory: one copy of the
-    model in the engine process."""
-
-    def __init__(self, cfg: EngineConfig):
-        from safetensors.torch import load_file
-
-        from megatron_logra.model.arch import load_arch
-
-        self.arch = load_arch(cfg.model_dir)
-        dtype = getattr(torch, cfg.dtype)
-        self.weights = {n: t.to(dtype) for n, t in
-                        load_file(os.path.join(cfg.model_dir, "model.safetensors")).items()}
-
-    def check_full(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        for name, t in tensors:
-            held = self.weights.get(name)
-            if held is None or held.shape != t.shape:
-                raise PushRefused(f"weight push: {name} {tuple(t.shape)} does not match the "
-                                  f"engine's {None if held is None else tuple(held.shape)}")
-
-    def store(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        for name, t in tensors:
-            self.weights[name].copy_(t)
-
-    def sketch_delta(self, llm, payload) -> int:
-        """Apply (sketch updates, full tensors) and load what changed; checked first."""
-        from megatron_logra.bridge.sketch_delta import apply_updates, check_updates
-
-        updates, full = payload
-        self.check_full(full)
-        try:
-            check_updates(self.arch, updates, {n: tuple(t.shape) for n, t in self.weights.items()})
-        except ValueError as exc:
-            raise PushRefused(str(exc)) from None
-        touched = apply_updates(self.arch, self.weights, updates)
-        self.store(full)
-        changed = [(n, self.weights[n]) for n in sorted(touched)] + list(full)
-        llm.collective_rpc("mlogra_load", args=(changed,))
-        return sum(u.nbytes() for u in updates) + sum(t.numel() * t.element_size()
-                                                      for _, t in full)
-
-    def sparse_delta(self, llm, deltas) -> int:
-        """Set the changed elements (all checked first) and load the tensors they are in."""
-        from megatron_logra.bridge.sparse_delta import apply_deltas, check_deltas
-
-        try:
-            check_deltas(deltas, self.weights)
-        except ValueError as exc:
-            raise PushRefused(str(exc)) from None
-        touched = apply_deltas(deltas, self.weights)
-        if touched:
-            llm.collective_rpc("mlogra_load", args=([(n, self.weights[n])
-                                                     for n in sorted(touched)],))
-        return sum(d.nbytes() for d in deltas)
-
-    def fingerprints(self, names: list[str]) -> dict[str, float]:
-        from megatron_logra.bridge.fingerprint import fingerprint
-
-        return {n: fingerprint(self.weights[n]) for n in names}
 
 
 def _commit(llm, version: int) -> int:

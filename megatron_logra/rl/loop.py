@@ -8,7 +8,8 @@ every rank trains. Per update:
    advantages; the rollouts are broadcast to all ranks;
 2. the trainer takes one policy-gradient step (dense Adam or LoGRA) on them, with
    truncated importance weights against the rollout logprobs;
-3. the new weights are pushed to the engine (``weight_push.full_push``) and committed.
+3. the new weights are pushed to the engine and committed (``bridge.sync``: full,
+   sparse-delta or sketch-delta).
 
 If the engine dies or refuses (any vLLM RPC failure kills it), rank 0 restarts it,
 the job pushes the weights again, and the update goes on. Evaluations (pass@1,
@@ -31,21 +32,16 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_logra.bridge.sync import WeightSync
 from megatron_logra.config import RunConfig
 from megatron_logra.data.tokenizer import load_tokenizer
 from megatron_logra.rl import advantages as adv
 from megatron_logra.rl import rollouts
-from megatron_logra.rl.engine import EngineConfig, EngineError, PushRefused, RolloutEngine
+from megatron_logra.rl.engine import EngineConfig, EngineError, RolloutEngine
 from megatron_logra.rl.kl_step import PredictedKLStep
 from megatron_logra.rl.policy_loss import (REPORT_KEYS, RolloutSample, collate_rollouts,
                                            policy_gradient_loss)
 from megatron_logra.rl.verifiers import Verifier, VerifierConfig, generate_rl_items
-from megatron_logra.bridge.fingerprint import same_fingerprint
-from megatron_logra.bridge.sketch_delta import owned_updates
-from megatron_logra.model.hf_mapping import (hf_from_megatron, megatron_param_names,
-                                             megatron_param_shape)
-from megatron_logra.rl.weight_push import (full_push, plan_push, sparse_push,
-                                           trainer_fingerprints)
 from megatron_logra.runtime.device import peak_memory_bytes, synchronize
 from megatron_logra.training import checkpointing
 from megatron_logra.training.metrics import MetricsLog
@@ -66,17 +62,6 @@ class _Driver:
     tokenizer: object
 
 
-@dataclass
-class SyncStats:
-    bytes: int = 0
-    seconds: float = 0.0
-    restarts: int = 0
-    pushes: int = 0
-    delta_pushes: int = 0
-    fingerprint_mismatches: int = 0
-    last_transport: str = "full"
-
-
 class RLRun:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -84,20 +69,8 @@ class RLRun:
         self.objs = self.prep.objs
         self.rank = dist.get_rank()
         self.dtype = _DTYPES[cfg.rl.rollout_dtype]
-        self.plan = plan_push(self.objs.model, self.objs.arch)
-        arch = self.objs.arch
-        self.hf_source = {hf: n for n in megatron_param_names(arch) for hf, _ in hf_from_megatron(
-            arch, n, torch.empty(megatron_param_shape(arch, n), device="meta"))}
-        self.unsketched = None
-        # sparse-delta: what each sender last sent (engine dtype), and the version it was
-        self.shadow = {} if cfg.rl.weight_sync == "sparse-delta" else None
-        self.shadow_version = -1
-        if cfg.rl.weight_sync == "sketch-delta":
-            self.objs.optimizer.keep_updates = True  # (D, coefficient, seed) of each update
-            names = [None] * dist.get_world_size()
-            dist.all_gather_object(names, [s.name for s in self.objs.optimizer.sketches.slots])
-            sketched = {n for ns in names for n in ns}
-            self.unsketched = [n for n in megatron_param_names(arch) if n not in sketched]
+        self.weights = WeightSync(self.objs, cfg.rl, self.dtype)
+        self.sync = self.weights.stats
         self.baseline = adv.RunningBaseline(cfg.rl.baseline_decay)
         extra = self.prep.extra_state or {}
         kl = cfg.rl.kl
@@ -107,7 +80,6 @@ class RLRun:
             self.baseline.load_state_dict(extra["rl"]["baseline"])
             if self.kl_step is not None and "kl" in extra["rl"]:
                 self.kl_step.controller.load_state_dict(extra["rl"]["kl"])
-        self.sync = SyncStats()
         self.driver = self._start_driver_everywhere()
         self.engine: RolloutEngine | None = None  # rank 0, once the first push wrote its weights
         self.version = self.prep.start_step
@@ -165,9 +137,9 @@ class RLRun:
 
     # --- weight sync (collective) ----------------------------------------------------------
     def push_weights(self, transport: str | None = None) -> None:
-        """Push the trainer's weights as version ``self.version``; restart and retry on
-        failure (every rank takes part: the push is a collective). ``transport`` forces
-        one (tests, benchmarks; a delta still needs the engine at the previous version)."""
+        """Push the trainer's weights as version ``self.version`` (``bridge.sync``); restart
+        the engine and retry on failure (every rank takes part: the push is a collective).
+        ``transport`` forces one (tests, benchmarks)."""
         for attempt in range(3):
             t0 = time.perf_counter()
             failed, sent = self._push_once(transport)
@@ -183,148 +155,25 @@ class RLRun:
                 self._restart_engine()
         raise RuntimeError("weight push failed 3 times: see the engine errors above")
 
-    def _transport(self, wanted: str | None) -> str:
-        """This push's transport, the same on every rank: sketch-delta when configured and
-        the engine serves exactly the previous version (not after a start or a restart,
-        not on an anchor update), else full."""
-        rl = self.cfg.rl
-        wanted = wanted or rl.weight_sync
-        choice = ["full"]
-        if self.rank == 0 and wanted != "full" and self.engine is not None:
-            anchor = rl.weight_sync_anchor_interval
-            base_ok = self.engine.version == self.version - 1
-            if wanted == "sparse-delta":  # its base: the tensors the senders last sent
-                base_ok = base_ok and self.shadow is not None \
-                    and self.shadow_version == self.version - 1
-            if base_ok and not (anchor and self.version % anchor == 0):
-                choice = [wanted]
-        dist.broadcast_object_list(choice, src=0)
-        return choice[0]
-
     def _push_once(self, transport: str | None) -> tuple[str, int]:
         """(failure message or "", bytes sent). The very first push writes the engine's
         start-up weights instead (then starts it from them)."""
-        self.sync.last_transport = self._transport(transport)
-        if self.sync.last_transport != "full":
-            result = self._push_delta(self.sync.last_transport)
-            if result is not None:
-                return result
-            self.sync.last_transport = "full"  # refused (nothing applied): full weights
-        return self._push_full()
+        result = self.weights.push(self.engine, self.version, transport)
+        if result.startup_tensors is None:
+            return result.failed, result.sent
+        from safetensors.torch import save_file
 
-    def _push_full(self) -> tuple[str, int]:
-        starting = self.rank == 0 and self.engine is None
-        failed, sent, saved = "", 0, {}
-        buckets = full_push(self.objs.model, self.objs.arch, self.plan, dtype=self.dtype,
-                            bucket_bytes=self.cfg.rl.sync_bucket_mb * 2**20, shadow=self.shadow)
-        for bucket in buckets:  # rank 0 only; other ranks send inside the generator
-            if starting:
-                saved.update(bucket)
-            elif not failed:  # after a failure: drain, the other ranks are still sending
-                try:
-                    sent += self.engine.load(bucket)
-                except (EngineError, ValueError) as exc:
-                    failed = str(exc)
-        if self.shadow is not None:
-            self.shadow_version = self.version
-        if self.rank != 0:
-            return "", 0
-        if starting:
-            from safetensors.torch import save_file
-
-            save_file(saved, str(Path(self.driver.engine_cfg.model_dir) / "model.safetensors"))
-            try:  # a failure is reported to every rank (push_weights), never left to hang them
-                self.engine = RolloutEngine(self.driver.engine_cfg)
-            except EngineError as exc:
-                return f"engine start-up: {exc}", 0
-            self.engine.assume_version(self.version)
-            rl = self.cfg.rl
-            print(f"rollout engine up in {self.engine.startup_s:.1f}s (vLLM {rl.rollout_dtype}, "
-                  f"TP{rl.rollout_tensor_parallel_size})", flush=True)
-            return "", sum(t.numel() * t.element_size() for t in saved.values())
-        if not failed:
-            try:
-                self.engine.commit(self.version)
-            except EngineError as exc:
-                failed = str(exc)
-        return failed, sent
-
-    def _push_delta(self, kind: str) -> tuple[str, int] | None:
-        """A delta push (every rank sends its own part to rank 0; the engine applies it to
-        its held copy): "sketch-delta", every rank's own rows of D (+ seed, coefficient)
-        and the unsketched params in full; "sparse-delta", each sender's changed elements.
-        Then (every --weight-sync-verify-interval pushes) fingerprints of every tensor on
-        both sides; a mismatching tensor is resent in full. None: refused before anything
-        was applied (the caller pushes full weights)."""
-        full = []
-        if kind == "sketch-delta":
-            mine = owned_updates(self.objs.optimizer)
-            full = [t for bucket in full_push(self.objs.model, self.objs.arch, self.plan,
-                                              dtype=self.dtype, names=self.unsketched)
-                    for t in bucket]
-        else:
-            mine = sparse_push(self.objs.model, self.objs.arch, self.plan, dtype=self.dtype,
-                               shadow=self.shadow)
-        everyone = [None] * dist.get_world_size() if self.rank == 0 else None
-        dist.gather_object(mine, everyone, dst=0)
-        failed, sent, refused = "", 0, [False]
-        if self.rank == 0:
-            payload = [x for part in everyone for x in part]
-            versions = {"base_version": self.version - 1, "version": self.version}
-            try:
-                if kind == "sketch-delta":
-                    sent = self.engine.sketch_delta(payload, full, **versions)
-                else:
-                    sent = self.engine.sparse_delta(payload, **versions)
-            except PushRefused as exc:
-                print(f"{kind} push refused ({exc}); pushing full weights", flush=True)
-                refused = [True]
-            except EngineError as exc:
-                failed = str(exc)
-        dist.broadcast_object_list(refused, src=0)
-        if refused[0]:
-            return None
-        self.sync.delta_pushes += 1
-        if kind == "sparse-delta":
-            self.shadow_version = self.version
-        every = self.cfg.rl.weight_sync_verify_interval
-        if not failed and every and self.sync.delta_pushes % every == 0:
-            failed, resent = self._verify_fingerprints()
-            sent += resent
-        return failed, sent
-
-    def _verify_fingerprints(self) -> tuple[str, int]:
-        """Trainer vs engine fingerprints of every HF tensor; resend the mismatches."""
-        mine = trainer_fingerprints(self.objs.model, self.objs.arch, self.plan, dtype=self.dtype)
-        bad = [[]]
-        if self.rank == 0:
-            try:
-                theirs = self.engine.fingerprints(sorted(mine))
-                bad = [[n for n in sorted(mine) if not same_fingerprint(mine[n], theirs[n])]]
-            except EngineError as exc:
-                return str(exc), 0
-        dist.broadcast_object_list(bad, src=0)
-        if not bad[0]:
-            return "", 0
-        self.sync.fingerprint_mismatches += len(bad[0])
-        if self.rank == 0:
-            print(f"weight sync: fingerprint mismatch in {len(bad[0])} tensors "
-                  f"({bad[0][:3]}...); resending them in full", flush=True)
-        names = sorted({self.hf_source[hf] for hf in bad[0]})
-        sent, failed = 0, ""
-        for bucket in full_push(self.objs.model, self.objs.arch, self.plan, dtype=self.dtype,
-                                names=names):
-            if not failed:
-                try:
-                    sent += self.engine.load(bucket)
-                except (EngineError, ValueError) as exc:
-                    failed = str(exc)
-        if self.rank == 0 and not failed:
-            try:
-                self.engine.commit(self.version)
-            except EngineError as exc:
-                failed = str(exc)
-        return failed, sent
+        save_file(result.startup_tensors,
+                  str(Path(self.driver.engine_cfg.model_dir) / "model.safetensors"))
+        try:  # a failure is reported to every rank (push_weights), never left to hang them
+            self.engine = RolloutEngine(self.driver.engine_cfg)
+        except EngineError as exc:
+            return f"engine start-up: {exc}", 0
+        self.engine.assume_version(self.version)
+        rl = self.cfg.rl
+        print(f"rollout engine up in {self.engine.startup_s:.1f}s (vLLM {rl.rollout_dtype}, "
+              f"TP{rl.rollout_tensor_parallel_size})", flush=True)
+        return "", result.sent
 
     def _restart_engine(self) -> None:
         if self.engine is None:  # it never started: the next push starts it

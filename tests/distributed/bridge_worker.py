@@ -38,7 +38,7 @@ TRANSPORTS = ["sparse-delta", "sketch-delta", "sketch-delta", "full"]
 def _trainer_hf(run) -> dict[str, torch.Tensor]:
     from megatron_logra.rl.weight_push import full_push
 
-    return {n: t for bucket in full_push(run.objs.model, run.objs.arch, run.plan,
+    return {n: t for bucket in full_push(run.objs.model, run.objs.arch, run.weights.plan,
                                          dtype=torch.bfloat16) for n, t in bucket}
 
 
@@ -59,7 +59,7 @@ def _check_layout(argv: list[str]) -> dict:
     run = RLRun(parse_run_config(argv))
     out = {"transports": [], "bytes": [], "differing": []}
     try:
-        run.shadow = {}  # the sparse-delta base: recorded by the next full push
+        run.weights.track_changes()  # the sparse-delta base: recorded by the next full push
         run.push_weights(transport="full")
         for update, transport in enumerate(TRANSPORTS):
             samples, _ = run.rollout_batch(update)
@@ -79,7 +79,7 @@ def _check_layout(argv: list[str]) -> dict:
             out["logprob_diff"] = float((trainer - engine).abs().max())
             out["full_bytes"] = sum(t.numel() * t.element_size()
                                     for t in run.engine.held_weights(
-                                        sorted(run.hf_source)).values())
+                                        sorted(run.weights.hf_source)).values())
             try:  # a delta on a base the engine does not serve: refused, nothing applied
                 run.engine.sketch_delta([], [], base_version=run.version + 5,
                                         version=run.version + 6)
