@@ -93,7 +93,11 @@ def _serve(conn, cfg: EngineConfig) -> None:
     if cfg.hold_weights:
         from megatron_logra.bridge.held_weights import HeldWeights
 
-        receiver = HeldWeights(cfg.model_dir, cfg.dtype)
+        try:
+            receiver = HeldWeights(cfg.model_dir, cfg.dtype)
+        except (OSError, ValueError, RuntimeError) as exc:
+            conn.send(("error", f"the engine's held weights failed to load: {exc}"))
+            return
     conn.send(("ok", "ready"))
     handlers = {"generate": _generate, "load": partial(_load, receiver), "commit": _commit,
                 "version": lambda llm, _: llm.collective_rpc("mlogra_version")[0],
