@@ -51,6 +51,21 @@ class PushResult:
     startup_tensors: dict[str, torch.Tensor] | None = field(default=None)  # rank 0, no engine
 
 
+def choose_transport(wanted: str, *, version: int, engine_version: int,
+                     shadow_version: int | None, anchor_interval: int) -> str:
+    """The transport of the push of ``version``: ``wanted`` when a delta can be applied
+    (the engine serves version - 1; for sparse-delta the senders' last sent tensors are
+    version - 1 too, ``shadow_version``, None when not recorded) and this is not an
+    anchor update (every ``anchor_interval``-th version, 0: none), else "full"."""
+    if wanted == "full" or engine_version != version - 1:
+        return "full"
+    if wanted == "sparse-delta" and shadow_version != version - 1:
+        return "full"
+    if anchor_interval and version % anchor_interval == 0:
+        return "full"
+    return wanted
+
+
 class WeightSync:
     def __init__(self, objs, rl: RLConfig, dtype: torch.dtype):
         self.objs, self.rl, self.dtype = objs, rl, dtype
@@ -97,15 +112,13 @@ class WeightSync:
         return self._push_full(engine, version)
 
     def _transport(self, engine, version: int, wanted: str | None) -> str:
-        wanted = wanted or self.rl.weight_sync
         choice = ["full"]
-        if self.rank == 0 and wanted != "full" and engine is not None:
-            anchor = self.rl.weight_sync_anchor_interval
-            base_ok = engine.version == version - 1
-            if wanted == "sparse-delta":  # its base: the tensors the senders last sent
-                base_ok = base_ok and self.shadow is not None and self.shadow_version == version - 1
-            if base_ok and not (anchor and version % anchor == 0):
-                choice = [wanted]
+        if self.rank == 0 and engine is not None:
+            shadow_version = self.shadow_version if self.shadow is not None else None
+            choice = [choose_transport(wanted or self.rl.weight_sync, version=version,
+                                       engine_version=engine.version,
+                                       shadow_version=shadow_version,
+                                       anchor_interval=self.rl.weight_sync_anchor_interval)]
         dist.broadcast_object_list(choice, src=0)
         return choice[0]
 

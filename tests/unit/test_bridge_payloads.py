@@ -134,3 +134,22 @@ def test_sparse_delta_sends_exactly_the_changed_bf16_elements():
         with pytest.raises(ValueError, match="sparse delta"):
             apply_deltas([delta, b], held)
         assert torch.equal(held["w"], before)
+
+
+def test_transport_choice_falls_back_to_full_when_a_delta_cannot_apply():
+    from megatron_logra.bridge.sync import choose_transport
+
+    kw = dict(version=7, engine_version=6, shadow_version=6, anchor_interval=0)
+    assert choose_transport("sketch-delta", **kw) == "sketch-delta"
+    assert choose_transport("sparse-delta", **kw) == "sparse-delta"
+    assert choose_transport("full", **kw) == "full"
+    # the engine restarted (serves the start-up weights, version 0) or lags behind
+    assert choose_transport("sketch-delta", **dict(kw, engine_version=0)) == "full"
+    # sparse deltas need the senders' last sent tensors at version - 1
+    assert choose_transport("sparse-delta", **dict(kw, shadow_version=5)) == "full"
+    assert choose_transport("sparse-delta", **dict(kw, shadow_version=None)) == "full"
+    assert choose_transport("sketch-delta", **dict(kw, shadow_version=None)) == "sketch-delta"
+    # an anchor update (every 7th version here) is full, the next one a delta again
+    assert choose_transport("sketch-delta", **dict(kw, anchor_interval=7)) == "full"
+    assert choose_transport("sketch-delta", version=8, engine_version=7, shadow_version=None,
+                            anchor_interval=7) == "sketch-delta"
