@@ -26,8 +26,7 @@ import torch.distributed as dist
 from megatron_logra.bridge.fingerprint import same_fingerprint
 from megatron_logra.bridge.sketch_delta import owned_updates
 from megatron_logra.config import RLConfig
-from megatron_logra.model.hf_mapping import (hf_from_megatron, megatron_param_names,
-                                             megatron_param_shape)
+from megatron_logra.model.hf_mapping import hf_sources, megatron_param_names
 from megatron_logra.rl.engine import EngineError, PushRefused
 from megatron_logra.rl.weight_push import (full_push, plan_push, sparse_push,
                                            trainer_fingerprints)
@@ -71,9 +70,7 @@ class WeightSync:
         self.objs, self.rl, self.dtype = objs, rl, dtype
         self.rank = dist.get_rank()
         self.plan = plan_push(objs.model, objs.arch)
-        arch = objs.arch
-        self.hf_source = {hf: n for n in megatron_param_names(arch) for hf, _ in hf_from_megatron(
-            arch, n, torch.empty(megatron_param_shape(arch, n), device="meta"))}
+        self.hf_source = hf_sources(objs.arch)
         self.stats = SyncStats()
         # sparse-delta: what each sender last sent (engine dtype), and its version
         self.shadow: dict[str, torch.Tensor] | None = None

@@ -163,13 +163,22 @@ def megatron_param_shape(arch: ModelArch, name: str) -> tuple[int, ...]:
     return shapes[suffix]
 
 
-def hf_param_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
-    """{HF name: shape} of every tensor the model needs, in megatron parameter order."""
-    shapes = {}
+def _hf_tensor_plan(arch: ModelArch):
+    """(megatron name, HF name, HF shape) of every HF tensor, in megatron parameter order."""
     for name in megatron_param_names(arch):
         meta = torch.empty(megatron_param_shape(arch, name), device="meta")
-        shapes.update((hf, tuple(t.shape)) for hf, t in hf_from_megatron(arch, name, meta))
-    return shapes
+        for hf, t in hf_from_megatron(arch, name, meta):
+            yield name, hf, tuple(t.shape)
+
+
+def hf_param_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """{HF name: shape} of every tensor the model needs, in megatron parameter order."""
+    return {hf: shape for _, hf, shape in _hf_tensor_plan(arch)}
+
+
+def hf_sources(arch: ModelArch) -> dict[str, str]:
+    """{HF name: the megatron parameter it comes from}."""
+    return {hf: name for name, hf, _ in _hf_tensor_plan(arch)}
 
 
 def row_segments(arch: ModelArch, name: str) -> list[Segment]:
