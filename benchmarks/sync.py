@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     def exact_now() -> bool:
         mine = {n: t for b in full_push(objs.model, arch, run.weights.plan, dtype=torch.bfloat16)
                 for n, t in b}
-        theirs = run.engine.held_weights(sorted(mine))
+        theirs = run.engine.engine_weights(sorted(mine))
         return all(torch.equal(mine[n], theirs[n]) for n in mine)
 
     try:

@@ -18,19 +18,22 @@ _SEED = 0x5EED
 RTOL = 1e-9
 
 
-def _weights(n: int, stream: int) -> torch.Tensor:
-    words = counter_words(_SEED, torch.zeros(1, dtype=torch.int64), torch.arange(n), stream)[0]
+def _weights(start: int, n: int, stream: int) -> torch.Tensor:
+    index = torch.arange(start, start + n)
+    words = counter_words(_SEED, torch.zeros(1, dtype=torch.int64), index, stream)[0]
     return 0.5 + (words >> 8).to(torch.float64) / 16777216.0
 
 
-def fingerprint(tensor: torch.Tensor) -> float:
-    """u^T X v of a 1-D or 2-D tensor (fp64)."""
+def fingerprint(tensor: torch.Tensor, row0: int = 0, col0: int = 0) -> float:
+    """u^T X v of a 1-D or 2-D tensor (fp64). For a piece of a larger tensor (rows from
+    ``row0``, columns from ``col0``), its share: the pieces of a tensor sum to its
+    fingerprint (a sharded receiver adds up its workers')."""
     x = tensor.detach().to("cpu", torch.float64)
     if x.dim() == 1:
-        return float(x @ _weights(x.shape[0], 3))
+        return float(x @ _weights(row0, x.shape[0], 3))
     if x.dim() != 2:
         x = x.reshape(x.shape[0], -1)
-    return float(_weights(x.shape[0], 3) @ (x @ _weights(x.shape[1], 4)))
+    return float(_weights(row0, x.shape[0], 3) @ (x @ _weights(col0, x.shape[1], 4)))
 
 
 def same_fingerprint(a: float, b: float) -> bool:

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from megatron.core import parallel_state
 
+from megatron_logra.bridge.vllm_layout import Locate, whole_tensors
 from megatron_logra.logra.low_rank_apply import apply_bf16_update
 from megatron_logra.logra.projection import projection_block
 from megatron_logra.logra.row_adam import apply_low_rank_update
@@ -69,6 +69,8 @@ class RowsUpdate:
 
 def owned_updates(optimizer) -> list[RowsUpdate]:
     """This rank's share of the last update of every sketched weight (see module doc)."""
+    from megatron.core import parallel_state  # trainer only: vLLM workers import this module
+
     sk = optimizer.sketches
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -126,29 +128,43 @@ def apply_updates(arch: ModelArch, weights: dict[str, torch.Tensor],
     """Apply ``updates`` in place to HF tensors ``weights`` (bf16: the trainer's SR update,
     bit-exact; fp32: the same fp32 update). Returns the HF names it changed."""
     check_updates(arch, updates, {n: tuple(t.shape) for n, t in weights.items()})
+    return apply_updates_into(arch, updates, whole_tensors(weights))
+
+
+@torch.no_grad()
+def apply_updates_into(arch: ModelArch, updates: list[RowsUpdate], locate: Locate) -> set[str]:
+    """Apply (checked) ``updates`` in place to the pieces ``locate`` finds: whole HF tensors,
+    or a vLLM worker's fused, sharded parameters (``bridge.vllm_layout``). Each piece gets
+    exactly the trainer's update of its elements: A's columns of the piece, stochastic
+    rounding keyed by canonical row and global column. Returns the HF names changed."""
     touched = set()
     for u in updates:
-        in_cols = megatron_param_shape(arch, u.name)[1]
-        projection = projection_block(u.seed, u.rank, (0, in_cols), kind=u.kind)
+        projections: dict[tuple[int, int], torch.Tensor] = {}
         all_rows = u.rows
         offset = 0
         for seg in row_segments(arch, u.name):
             lo, hi = offset, offset + seg.rows
             offset = hi
-            pick = ((all_rows >= lo) & (all_rows < hi)).nonzero().squeeze(1)
-            if seg.hf_name is None or pick.numel() == 0:
+            if seg.hf_name is None:
                 continue
-            rows = all_rows[pick]
-            hf_rows = rows - lo + seg.start
-            target = weights[seg.hf_name]
-            block = target[hf_rows]
-            d = u.d[pick]
-            if block.dtype == torch.bfloat16:
-                apply_bf16_update(block, d.float(), u.coefficient, u.seed, rank=u.rank,
-                                  kind=u.kind, global_rows=rows, col_offset=0,
-                                  projection=projection)
-            else:
-                apply_low_rank_update(block, d.float(), projection, u.coefficient, exact=False)
-            target[hf_rows] = block
-            touched.add(seg.hf_name)
+            hf_rows = all_rows - lo + seg.start
+            for target, p in locate(seg.hf_name):
+                pick = ((all_rows >= lo) & (all_rows < hi) & (hf_rows >= p.row0)
+                        & (hf_rows < p.row1)).nonzero().squeeze(1)
+                if pick.numel() == 0:
+                    continue
+                local = hf_rows[pick] - p.row0 + p.local_row
+                cols = (p.col0, p.col1)
+                if cols not in projections:
+                    projections[cols] = projection_block(u.seed, u.rank, cols, kind=u.kind)
+                block, d = target[local], u.d[pick].float()
+                if block.dtype == torch.bfloat16:
+                    apply_bf16_update(block, d, u.coefficient, u.seed, rank=u.rank, kind=u.kind,
+                                      global_rows=all_rows[pick], col_offset=p.col0,
+                                      projection=projections[cols])
+                else:
+                    apply_low_rank_update(block, d, projections[cols], u.coefficient,
+                                          exact=False)
+                target[local] = block
+                touched.add(seg.hf_name)
     return touched

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_logra.bridge.vllm_layout import Locate, whole_tensors
+
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
@@ -75,9 +77,34 @@ def check_deltas(deltas: list[SparseDelta], held: dict[str, torch.Tensor]) -> No
 def apply_deltas(deltas: list[SparseDelta], held: dict[str, torch.Tensor]) -> set[str]:
     """Apply in place (after checking all of them); returns the tensors that changed."""
     check_deltas(deltas, held)
+    return apply_deltas_into(deltas, whole_tensors(held))
+
+
+@torch.no_grad()
+def apply_deltas_into(deltas: list[SparseDelta], locate: Locate) -> set[str]:
+    """Apply (checked) ``deltas`` to the pieces ``locate`` finds (whole HF tensors, or a
+    vLLM worker's shards): each piece takes the changed elements inside it."""
     for d in deltas:
+        cols = d.shape[1] if len(d.shape) == 2 else 1
         if d.dense:
-            held[d.name].view(-1).copy_(d.values)
+            index = None
         else:
-            held[d.name].view(-1)[d.indices.long()] = d.values
+            index = d.indices.long()
+            rows, columns = index // cols, index % cols
+        for target, p in locate(d.name):
+            if d.dense:
+                full = d.values.view(d.shape)
+                piece = full[p.row0:p.row1] if p.col0 is None else full[p.row0:p.row1,
+                                                                        p.col0:p.col1]
+                target[p.local_row:p.local_row + p.row1 - p.row0].copy_(piece)
+                continue
+            inside = (rows >= p.row0) & (rows < p.row1)
+            if p.col0 is not None:
+                inside &= (columns >= p.col0) & (columns < p.col1)
+            pick = inside.nonzero().squeeze(1)
+            local = rows[pick] - p.row0 + p.local_row
+            if p.col0 is None:
+                target[local] = d.values[pick]
+            else:
+                target[local, columns[pick] - p.col0] = d.values[pick]
     return {d.name for d in deltas if d.dense or d.indices.numel()}

@@ -152,8 +152,8 @@ class WeightSync:
         return out
 
     def _push_delta(self, engine, version: int, kind: str) -> PushResult | None:
-        """Every rank sends its own part to rank 0, the engine applies it to its held copy;
-        None: refused before anything was applied."""
+        """Every rank sends its own part to rank 0; each vLLM worker applies its shard of it
+        in place. None: refused before anything was applied."""
         full = []
         if kind == "sketch-delta":
             mine = owned_updates(self.objs.optimizer)

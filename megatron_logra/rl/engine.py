@@ -45,7 +45,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     seed: int = 0
     max_num_seqs: int = 128
-    hold_weights: bool = False  # keep an HF copy for delta pushes (one model copy of memory)
+    # accept delta pushes, applied in place to the live weights (on CPU: linear layers keep
+    # plain weights and use F.linear instead of vLLM's packed oneDNN kernels)
+    delta_sync: bool = False
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 1800.0
 
@@ -69,6 +71,13 @@ def _serve(conn, cfg: EngineConfig) -> None:
     """The engine process: build vLLM, then answer (command, payload) messages."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
+    if cfg.delta_sync:
+        from megatron_logra.rl import vllm_ext
+
+        # workers of other processes read the variable when they import vllm_ext; a
+        # worker in this process (TP 1) finds the module imported already
+        os.environ[vllm_ext.LIVE_WEIGHTS_ENV] = "1"
+        vllm_ext.keep_cpu_weights_live()
     if cfg.tensor_parallel_size > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                               "|".join(str(i) for i in range(cfg.tensor_parallel_size)))
@@ -90,13 +99,14 @@ def _serve(conn, cfg: EngineConfig) -> None:
         conn.send(("error", f"vLLM failed to start: {type(exc).__name__}: {exc}"))
         return
     receiver = None
-    if cfg.hold_weights:
-        from megatron_logra.bridge.held_weights import HeldWeights
+    if cfg.delta_sync:
+        from megatron_logra.bridge.delta_receiver import DeltaReceiver
 
         try:
-            receiver = HeldWeights(cfg.model_dir, cfg.dtype)
+            receiver = DeltaReceiver(cfg.model_dir, cfg.dtype)
+            receiver.check_layout(llm)
         except (OSError, ValueError, RuntimeError) as exc:
-            conn.send(("error", f"the engine's held weights failed to load: {exc}"))
+            conn.send(("error", f"the engine cannot take delta pushes: {exc}"))
             return
     conn.send(("ok", "ready"))
     handlers = {"generate": _generate, "load": partial(_load, receiver), "commit": _commit,
@@ -104,8 +114,7 @@ def _serve(conn, cfg: EngineConfig) -> None:
                 "prompt_logprobs": _prompt_logprobs}
     if receiver is not None:
         handlers.update(sketch_delta=receiver.sketch_delta, sparse_delta=receiver.sparse_delta,
-                        fingerprints=lambda llm, names: receiver.fingerprints(names),
-                        held=lambda llm, names: {n: receiver.weights[n] for n in names})
+                        fingerprints=receiver.fingerprints, weights=receiver.weights)
     while True:
         try:
             command, payload = conn.recv()
@@ -157,10 +166,7 @@ def _prompt_logprobs(llm, rows: list[list[int]]) -> list[list[float]]:
 def _load(receiver, llm, bucket: list[tuple[str, torch.Tensor]]) -> int:
     if receiver is not None:
         receiver.check_full(bucket)
-    got = llm.collective_rpc("mlogra_load", args=(bucket,))[0]
-    if receiver is not None:
-        receiver.store(bucket)
-    return got
+    return llm.collective_rpc("mlogra_load", args=(bucket,))[0]
 
 
 def _commit(llm, version: int) -> int:
@@ -238,8 +244,8 @@ class RolloutEngine:
         return self._delta("sparse_delta", deltas, base_version, version)
 
     def _delta(self, command: str, payload, base_version: int, version: int) -> int:
-        if not self.cfg.hold_weights:
-            raise PushRefused(f"{command} needs an engine started with hold_weights")
+        if not self.cfg.delta_sync:
+            raise PushRefused(f"{command} needs an engine started with delta_sync")
         if self.version != base_version:
             raise PushRefused(f"a delta on version {base_version}, the engine serves "
                               f"{self.version}: push full weights")
@@ -249,12 +255,13 @@ class RolloutEngine:
         return sent
 
     def fingerprints(self, names: list[str]) -> dict[str, float]:
-        """``bridge.fingerprint`` of the engine's held HF tensors."""
+        """``bridge.fingerprint`` of the engine's live weights, in HF coordinates."""
         return self._call("fingerprints", names)
 
-    def held_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The engine's held HF tensors (tests: bit-exactness against the trainer)."""
-        return self._call("held", names)
+    def engine_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The engine's live weights as HF tensors, read back from every vLLM worker
+        (tests: bit-exactness against the trainer)."""
+        return self._call("weights", names)
 
     def commit(self, version: int) -> None:
         if version < 0:

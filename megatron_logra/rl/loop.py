@@ -114,7 +114,7 @@ class RLRun:
             str(self._engine_init_dir()), max_model_len=cfg.training.seq_length + 1,
             dtype=rl.rollout_dtype, kv_cache_gib=rl.rollout_kv_cache_gib,
             tensor_parallel_size=rl.rollout_tensor_parallel_size, seed=rl.rollout_seed,
-            hold_weights=rl.weight_sync != "full")
+            delta_sync=rl.weight_sync != "full")
         print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",
               flush=True)
         verifier = Verifier(VerifierConfig(reward=rl.reward, timeout_s=rl.verifier_timeout_s))

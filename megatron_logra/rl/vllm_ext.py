@@ -3,20 +3,57 @@
 Imported by the vLLM worker only, never by the trainer. Method names carry an
 ``mlogra_`` prefix: vLLM refuses extension methods that shadow the Worker's own.
 
-A push is ``mlogra_load`` per bucket of HF-named tensors (vLLM's own
-``reload_weights`` maps HF names onto its fused, sharded, repacked parameters),
-then ``mlogra_commit(version)``. A tied lm_head is re-tied to the new embedding after
-each bucket that carries it (vLLM's reload would keep its old copy). Between the first bucket and the commit the
-worker reports ``version = -1`` (a push in flight), and the engine refuses to
-generate with such a worker (``engine.RolloutEngine`` checks before every batch).
+Full push: ``mlogra_load`` per bucket of HF-named tensors (vLLM's own
+``reload_weights`` maps HF names onto its fused, sharded parameters), then
+``mlogra_commit(version)``. A tied lm_head is re-tied to the new embedding after each
+bucket that carries it (vLLM's reload would keep its old copy). Between the first
+bucket and the commit the worker reports ``version = -1`` (a push in flight), and the
+engine refuses to generate with such a worker (``engine.RolloutEngine`` checks).
+
+Delta pushes (``mlogra_sketch_delta``, ``mlogra_sparse_delta``, ``mlogra_set``) are
+applied in place to the live parameters, each worker to its own shard
+(``bridge.vllm_layout``): the same code on CPU and GPU. On CPU vLLM packs linear
+weights into oneDNN handles and empties ``.weight`` (vllm-cpu.md); an engine started
+for deltas sets ``MLOGRA_LIVE_WEIGHTS=1`` before vLLM builds its workers, and importing
+this module then makes vLLM's CPU GEMM dispatch keep plain weights and use
+``F.linear`` (``keep_cpu_weights_live``). Payloads were checked by the engine process
+before they get here: an exception in a worker kills the engine.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+LIVE_WEIGHTS_ENV = "MLOGRA_LIVE_WEIGHTS"
+
+
+def keep_cpu_weights_live() -> None:
+    """vLLM's CPU linear layers call ``layers.utils.dispatch_cpu_unquantized_gemm`` after
+    loading (imported inside the function, so replacing the module attribute reaches every
+    caller). Keep 2-D weights as they are and compute with ``F.linear`` on them."""
+    from vllm.model_executor.layers import utils
+
+    original = utils.dispatch_cpu_unquantized_gemm
+    if getattr(original, "mlogra_live", False):
+        return
+
+    def keep_live(layer: torch.nn.Module, remove_weight: bool) -> None:
+        if layer.weight.ndim != 2:
+            return original(layer, remove_weight)
+        layer.cpu_linear = torch.nn.functional.linear
+
+    keep_live.mlogra_live = True
+    utils.dispatch_cpu_unquantized_gemm = keep_live
+
+
+if os.environ.get(LIVE_WEIGHTS_ENV) == "1":
+    keep_cpu_weights_live()
 
 
 class WeightReceiver:
+    # --- full pushes ------------------------------------------------------------------------
     def mlogra_load(self, tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Load one bucket of full HF tensors; returns the bytes received."""
         self._mlogra_version = -1
@@ -42,3 +79,90 @@ class WeightReceiver:
 
     def mlogra_version(self) -> int:
         return getattr(self, "_mlogra_version", 0)
+
+    # --- in place, on this worker's shards --------------------------------------------------
+    def _mlogra_locate(self):
+        """(arch, locate): ``locate(hf_name)`` -> [(live parameter, Placement)]."""
+        from vllm.distributed import (get_tensor_model_parallel_rank,
+                                      get_tensor_model_parallel_world_size)
+
+        from megatron_logra.bridge.vllm_layout import vllm_placements
+        from megatron_logra.model.arch import load_arch
+
+        if not hasattr(self, "_mlogra_arch"):
+            self._mlogra_arch = load_arch(self.model_config.model)
+            self._mlogra_tp = (get_tensor_model_parallel_world_size(),
+                               get_tensor_model_parallel_rank())
+        arch, (tp, rank) = self._mlogra_arch, self._mlogra_tp
+        params = dict(self.model_runner.get_model().named_parameters(remove_duplicate=False))
+
+        def locate(name: str):
+            return [(params[p.param].data, p) for p in vllm_placements(arch, name, tp, rank)]
+        return arch, locate
+
+    def mlogra_check_layout(self) -> list[str]:
+        """Problems with in-place updates on this worker (empty: none): every HF tensor's
+        pieces must be live parameters of the expected local shape."""
+        from megatron_logra.model.hf_mapping import hf_param_shapes
+
+        problems = []
+        try:
+            arch, locate = self._mlogra_locate()
+            for name in hf_param_shapes(arch):
+                for target, p in locate(name):
+                    width = None if p.col0 is None else p.col1 - p.col0
+                    rows_ok = target.shape[0] >= p.local_row + p.row1 - p.row0
+                    if target.numel() == 0 or not rows_ok or (
+                            width is not None and (target.dim() != 2 or target.shape[1] != width)):
+                        problems.append(f"{name} -> {p.param} {tuple(target.shape)}: expected "
+                                        f"rows {p.local_row}+{p.row1 - p.row0}, width {width}")
+        except (KeyError, ValueError, OSError) as exc:
+            problems.append(f"{type(exc).__name__}: {exc}")
+        return problems
+
+    @torch.inference_mode()
+    def mlogra_sketch_delta(self, updates: list) -> int:
+        """W -= c D A(seed) on this worker's pieces of every sketched weight (checked)."""
+        from megatron_logra.bridge.sketch_delta import apply_updates_into
+
+        self._mlogra_version = -1
+        arch, locate = self._mlogra_locate()
+        return len(apply_updates_into(arch, updates, locate))
+
+    @torch.inference_mode()
+    def mlogra_sparse_delta(self, deltas: list) -> int:
+        from megatron_logra.bridge.sparse_delta import apply_deltas_into
+
+        self._mlogra_version = -1
+        return len(apply_deltas_into(deltas, self._mlogra_locate()[1]))
+
+    @torch.inference_mode()
+    def mlogra_set(self, tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy whole HF tensors into this worker's pieces of them."""
+        self._mlogra_version = -1
+        _, locate = self._mlogra_locate()
+        for name, t in tensors:
+            for target, p in locate(name):
+                piece = t[p.row0:p.row1] if p.col0 is None else t[p.row0:p.row1, p.col0:p.col1]
+                target[p.local_row:p.local_row + p.row1 - p.row0].copy_(piece)
+        return len(tensors)
+
+    # --- read back, in HF coordinates -------------------------------------------------------
+    def mlogra_fingerprints(self, names: list[str]) -> dict[str, float]:
+        """This worker's share of each tensor's fingerprint (its primary pieces)."""
+        from megatron_logra.bridge.fingerprint import fingerprint
+
+        _, locate = self._mlogra_locate()
+        out = {}
+        for name in names:
+            out[name] = sum(fingerprint(target[p.local_row:p.local_row + p.row1 - p.row0],
+                                        p.row0, p.col0 or 0)
+                            for target, p in locate(name) if p.primary)
+        return out
+
+    def mlogra_pieces(self, names: list[str]) -> list[tuple[str, int, int, int | None, torch.Tensor]]:
+        """This worker's primary pieces (name, row0, row1, col0, values copy)."""
+        _, locate = self._mlogra_locate()
+        return [(name, p.row0, p.row1, p.col0,
+                 target[p.local_row:p.local_row + p.row1 - p.row0].clone())
+                for name in names for target, p in locate(name) if p.primary]

@@ -46,7 +46,7 @@ def _differing(run) -> list[str] | None:
     mine = _trainer_hf(run)
     if dist.get_rank() != 0:
         return None
-    theirs = run.engine.held_weights(sorted(mine))
+    theirs = run.engine.engine_weights(sorted(mine))
     return sorted(n for n in mine if not torch.equal(mine[n], theirs[n]))
 
 
@@ -78,7 +78,7 @@ def _check_layout(argv: list[str]) -> dict:
         if dist.get_rank() == 0:
             out["logprob_diff"] = float((trainer - engine).abs().max())
             out["full_bytes"] = sum(t.numel() * t.element_size()
-                                    for t in run.engine.held_weights(
+                                    for t in run.engine.engine_weights(
                                         sorted(run.weights.hf_source)).values())
             try:  # a delta on a base the engine does not serve: refused, nothing applied
                 run.engine.sketch_delta([], [], base_version=run.version + 5,

@@ -5,7 +5,7 @@ TP2 engine), PP2 and TP2 x PP2; bf16 weights, LoGRA in SR mode
 (``--logra-master-weights none``) on every target (qkv, proj, fc1, fc2, and the tied
 embedding, split over the stages at PP2); a bf16 engine. Four updates are pushed as
 sparse-delta (each sender's changed elements), sketch-delta (each rank sends only its
-own rows of D; the engine regenerates A and applies the update to its held copy),
+own rows of D; the engine regenerates A and applies the update in place to its live, sharded parameters),
 sketch-delta, full. After every push every HF tensor the engine holds equals the
 trainer's bit for bit; the fingerprints never disagreed; a delta on the wrong base
 version is refused with the previous version still serving; the engine's logprobs
