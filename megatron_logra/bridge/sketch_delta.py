@@ -153,14 +153,17 @@ def apply_updates_into(arch: ModelArch, updates: list[RowsUpdate], locate: Locat
                         & (hf_rows < p.row1)).nonzero().squeeze(1)
                 if pick.numel() == 0:
                     continue
-                local = hf_rows[pick] - p.row0 + p.local_row
+                # payloads arrive on CPU; the pieces live where the engine runs
+                dev = target.device
+                local = (hf_rows[pick] - p.row0 + p.local_row).to(dev)
                 cols = (p.col0, p.col1)
                 if cols not in projections:
-                    projections[cols] = projection_block(u.seed, u.rank, cols, kind=u.kind)
-                block, d = target[local], u.d[pick].float()
+                    projections[cols] = projection_block(u.seed, u.rank, cols, kind=u.kind,
+                                                         device=dev)
+                block, d = target[local], u.d[pick].to(dev, torch.float32)
                 if block.dtype == torch.bfloat16:
                     apply_bf16_update(block, d, u.coefficient, u.seed, rank=u.rank, kind=u.kind,
-                                      global_rows=all_rows[pick], col_offset=p.col0,
+                                      global_rows=all_rows[pick].to(dev), col_offset=p.col0,
                                       projection=projections[cols])
                 else:
                     apply_low_rank_update(block, d, projections[cols], u.coefficient,

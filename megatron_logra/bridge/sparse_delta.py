@@ -102,9 +102,10 @@ def apply_deltas_into(deltas: list[SparseDelta], locate: Locate) -> set[str]:
             if p.col0 is not None:
                 inside &= (columns >= p.col0) & (columns < p.col1)
             pick = inside.nonzero().squeeze(1)
-            local = rows[pick] - p.row0 + p.local_row
+            dev = target.device  # payloads arrive on CPU
+            local, values = (rows[pick] - p.row0 + p.local_row).to(dev), d.values[pick].to(dev)
             if p.col0 is None:
-                target[local] = d.values[pick]
+                target[local] = values
             else:
-                target[local, columns[pick] - p.col0] = d.values[pick]
+                target[local, (columns[pick] - p.col0).to(dev)] = values
     return {d.name for d in deltas if d.dense or d.indices.numel()}

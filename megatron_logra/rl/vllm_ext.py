@@ -161,8 +161,8 @@ class WeightReceiver:
         return out
 
     def mlogra_pieces(self, names: list[str]) -> list[tuple[str, int, int, int | None, torch.Tensor]]:
-        """This worker's primary pieces (name, row0, row1, col0, values copy)."""
+        """This worker's primary pieces (name, row0, row1, col0, a CPU copy of the values)."""
         _, locate = self._mlogra_locate()
         return [(name, p.row0, p.row1, p.col0,
-                 target[p.local_row:p.local_row + p.row1 - p.row0].clone())
+                 target[p.local_row:p.local_row + p.row1 - p.row0].to("cpu", copy=True))
                 for name in names for target, p in locate(name) if p.primary]
