@@ -4,8 +4,9 @@ Lives in the engine process (``rl.engine``, for an engine started with ``delta_s
 The workers apply deltas in place to vLLM's live, sharded parameters
 (``rl.vllm_ext.WeightReceiver``); an exception inside a worker would kill the engine,
 so everything is checked here first, against the model's HF shapes, and a refusal
-(``PushRefused``) leaves the engine serving its previous version. Memory: no copy of
-the weights (the engine's own parameters are the ones updated).
+(``PushRefused``) leaves the engine serving its previous version. Full pushes to such an
+engine are copied in place too (``load``), not reloaded through vLLM. Memory: no copy
+of the weights (the engine's own parameters are the ones updated).
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ class DeltaReceiver:
             if shape is None or tuple(t.shape) != shape:
                 raise PushRefused(f"weight push: {name} {tuple(t.shape)} does not match the "
                                   f"engine's {shape}")
+
+    def load(self, llm, tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """One bucket of a full push, copied in place into every worker's pieces of the live
+        parameters (checked first); returns the bytes received."""
+        self.check_full(tensors)
+        llm.collective_rpc("mlogra_set", args=(tensors,))
+        return sum(t.numel() * t.element_size() for _, t in tensors)
 
     def sketch_delta(self, llm, payload) -> int:
         """Apply (sketch updates, full tensors) in place on every worker; checked first."""

@@ -8,8 +8,9 @@ startup seconds, not a minute; ../shared/notes/vllm-cpu.md) has its own world.
 Tensors cross the pipe through torch.multiprocessing's shared memory.
 
 Versioning: a weight push is ``load`` per bucket, then ``commit(version)``. The
-engine answers ``generate`` only for the version the caller expects and only when
-no push is in flight; any failure (a dead child, an RPC error, which kills a vLLM
+engine answers ``generate`` only for the version the caller expects, and neither
+``generate`` nor ``prompt_logprobs`` while a push is in flight (``PushInFlight``;
+both the client and the engine process check). Any other failure (a dead child, an RPC error, which kills a vLLM
 engine for good) raises ``EngineError`` and the caller restarts the engine and
 pushes the weights again (``RolloutEngine.restart``).
 """
@@ -31,9 +32,18 @@ class EngineError(RuntimeError):
     """The engine died or refused a request; restart it and push the weights again."""
 
 
+class PushInFlight(EngineError):
+    """Generation or scoring was asked for while a push is loaded but not committed: the
+    engine would mix two versions, so it refuses (and keeps running); commit the push, or
+    restart the engine and push again."""
+
+
 class PushRefused(ValueError):
     """A weight push was refused before anything was applied (bad names or shapes, a delta
     on the wrong base version); the engine still serves its previous version."""
+
+
+IN_FLIGHT = "a weight push is in flight (loaded, not committed): commit it first"
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,8 @@ def _serve(conn, cfg: EngineConfig) -> None:
             conn.send(("ok", handlers[command](llm, payload)))
         except PushRefused as exc:  # nothing was applied: keep serving the previous version
             conn.send(("refused", str(exc)))
+        except PushInFlight as exc:  # nothing was run: keep going
+            conn.send(("in_flight", str(exc)))
         except Exception as exc:  # noqa: BLE001 - the engine is dead after an RPC failure
             conn.send(("error", f"{command}: {type(exc).__name__}: {exc}"))
             return
@@ -136,8 +148,7 @@ def _generate(llm, requests: list[SampleRequest]) -> list[Completion]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    if llm.collective_rpc("mlogra_version")[0] < 0:
-        raise RuntimeError("a weight push is in flight (loaded, not committed)")
+    _require_committed(llm)
     prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
     params = [SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature,
                              seed=r.seed, logprobs=0) for r in requests]
@@ -151,11 +162,17 @@ def _generate(llm, requests: list[SampleRequest]) -> list[Completion]:
     return done
 
 
+def _require_committed(llm) -> None:
+    if min(llm.collective_rpc("mlogra_version")) < 0:
+        raise PushInFlight(IN_FLIGHT)
+
+
 def _prompt_logprobs(llm, rows: list[list[int]]) -> list[list[float]]:
     """log p(row[t] | row[:t]) for t >= 1 of fixed token rows (the parity check)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    _require_committed(llm)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params,
                            use_tqdm=False)
@@ -164,8 +181,10 @@ def _prompt_logprobs(llm, rows: list[list[int]]) -> list[list[float]]:
 
 
 def _load(receiver, llm, bucket: list[tuple[str, torch.Tensor]]) -> int:
+    """One bucket of a full push. An engine started for deltas copies it in place into
+    its live parameters (``DeltaReceiver.load``); otherwise vLLM's ``reload_weights``."""
     if receiver is not None:
-        receiver.check_full(bucket)
+        return receiver.load(llm, bucket)
     return llm.collective_rpc("mlogra_load", args=(bucket,))[0]
 
 
@@ -214,6 +233,8 @@ class RolloutEngine:
                               f"({type(exc).__name__}; exit code {self._proc.exitcode})") from None
         if status == "refused":
             raise PushRefused(value)
+        if status == "in_flight":
+            raise PushInFlight(value)
         if status != "ok":
             raise EngineError(value)
         return value
@@ -276,6 +297,9 @@ class RolloutEngine:
         return self._call("generate", requests)
 
     def prompt_logprobs(self, rows: list[list[int]]) -> list[list[float]]:
+        """log p(row[t] | row[:t]) for t >= 1 under the committed weights."""
+        if self.version < 0:
+            raise PushInFlight(IN_FLIGHT)
         return self._call("prompt_logprobs", rows)
 
     def assume_version(self, version: int) -> None:

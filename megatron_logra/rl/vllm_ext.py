@@ -5,10 +5,11 @@ Imported by the vLLM worker only, never by the trainer. Method names carry an
 
 Full push: ``mlogra_load`` per bucket of HF-named tensors (vLLM's own
 ``reload_weights`` maps HF names onto its fused, sharded parameters), then
-``mlogra_commit(version)``. A tied lm_head is re-tied to the new embedding after each
+``mlogra_commit(version)``; an engine started for deltas uses ``mlogra_set`` instead
+(a copy into the live parameters). A tied lm_head is re-tied to the new embedding after each
 bucket that carries it (vLLM's reload would keep its old copy). Between the first
 bucket and the commit the worker reports ``version = -1`` (a push in flight), and the
-engine refuses to generate with such a worker (``engine.RolloutEngine`` checks).
+engine refuses to generate or score with such a worker (``engine.PushInFlight``).
 
 Delta pushes (``mlogra_sketch_delta``, ``mlogra_sparse_delta``, ``mlogra_set``) are
 applied in place to the live parameters, each worker to its own shard

@@ -13,7 +13,10 @@ q/k norms, head_dim 48 and a tied embedding. Checked against references:
   padding) and a sparse delta, the live weights equal the same updates applied to
   whole HF tensors (``apply_updates``, ``apply_deltas``);
 - the engine generates with them: its logprobs equal transformers' on the updated
-  weights (fp32, 1e-4), and differ from the logprobs before the update.
+  weights (fp32, 1e-4), and differ from the logprobs before the update;
+- a full push of the checkpoint, copied in place, brings back its weights bit for bit
+  and its logprobs; while that push is loaded but not committed, scoring is refused
+  (by the client and by the engine process) and the engine stays up.
 """
 
 from __future__ import annotations
@@ -73,6 +76,16 @@ def _transformers_logprobs(folder, weights, rows: torch.Tensor) -> torch.Tensor:
     return logp.gather(-1, rows[:, 1:, None]).squeeze(-1)
 
 
+def _refused_in_flight(call) -> bool:
+    from megatron_logra.rl.engine import PushInFlight
+
+    try:
+        call()
+    except PushInFlight:
+        return True
+    return False
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     from safetensors.torch import load_file
@@ -103,13 +116,23 @@ def case(request, tmp_path_factory):
         engine.sparse_delta(sparse, base_version=1, version=2)
         after_weights = engine.engine_weights(names)
         after = torch.tensor(engine.prompt_logprobs(rows.tolist()), dtype=torch.float64)
+        half = len(names) // 2
+        engine.load([(n, weights[n]) for n in names[:half]])
+        in_flight = [_refused_in_flight(lambda: engine.prompt_logprobs(rows.tolist())),
+                     _refused_in_flight(lambda: engine._call("prompt_logprobs", rows.tolist())),
+                     _refused_in_flight(lambda: engine._call("generate", []))]
+        engine.load([(n, weights[n]) for n in names[half:]])
+        engine.commit(3)
+        restored_weights = engine.engine_weights(names)
+        restored = torch.tensor(engine.prompt_logprobs(rows.tolist()), dtype=torch.float64)
     finally:
         engine.close()
     reference = {n: t.clone() for n, t in weights.items()}
     apply_updates(arch, reference, updates)
     apply_deltas(sparse, reference)
     return dict(weights=weights, loaded=loaded, prints=prints, reference=reference,
-                after_weights=after_weights, before=before, after=after,
+                after_weights=after_weights, before=before, after=after, in_flight=in_flight,
+                restored_weights=restored_weights, restored=restored,
                 expected=_transformers_logprobs(folder, reference, rows),
                 checkpoint_prints={n: fingerprint(t) for n, t in weights.items()})
 
@@ -135,3 +158,10 @@ def test_deltas_land_in_place(case):
 def test_engine_generates_with_the_updated_weights(case):
     assert (case["after"] - case["expected"]).abs().max() < 1e-4
     assert (case["after"] - case["before"]).abs().max() > 1e-2
+
+
+def test_full_push_in_place_restores_the_checkpoint(case):
+    assert case["in_flight"] == [True, True, True]
+    for name, want in case["weights"].items():
+        assert torch.equal(case["restored_weights"][name], want), name
+    assert (case["restored"] - case["before"]).abs().max() < 1e-6
