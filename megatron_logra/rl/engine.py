@@ -10,9 +10,9 @@ Tensors cross the pipe through torch.multiprocessing's shared memory.
 Versioning: a weight push is ``load`` per bucket, then ``commit(version)``. The
 engine answers ``generate`` only for the version the caller expects, and neither
 ``generate`` nor ``prompt_logprobs`` while a push is in flight (``PushInFlight``;
-both the client and the engine process check). Any other failure (a dead child, an RPC error, which kills a vLLM
-engine for good) raises ``EngineError`` and the caller restarts the engine and
-pushes the weights again (``RolloutEngine.restart``).
+both the client and the engine process check). Any other failure (a dead child, an
+RPC error, which kills a vLLM engine for good) raises ``EngineError`` and the caller
+restarts the engine and pushes the weights again (``RolloutEngine.restart``).
 """
 
 from __future__ import annotations
