@@ -10,6 +10,9 @@ tangent of a real model against finite differences, and the scaled step.
   W - eps c D A formed densely, every target including the tied embedding).
 * The applied update is alpha times the unscaled one, and the realized KL after it
   is alpha^2 K to second order.
+* With bf16 params the step is scaled on the fp32 copies (megatron's main params,
+  LoGRA's masters): each ends at old + alpha (new - old) against a twin's unscaled
+  step, and the bf16 params are those copies rounded.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pytest
 import torch
 
 from megatron_logra.config import KLControlConfig, LograConfig, OptimizerConfig
+from megatron_logra.logra.optimizer import LograOptimizer
 from megatron_logra.logra.sketched_linear import TARGETS
 from megatron_logra.model.arch import load_arch
 from megatron_logra.model.logits import causal_inputs
@@ -111,11 +115,22 @@ def _batch(vocab: int) -> list[dict]:
     return out
 
 
-def _objects(arch, name: str):
+def _objects(arch, name: str, bf16: bool = False):
     logra = LograConfig(rank=8, targets=TARGETS)
-    return build_training_objects(arch, ModelBuildConfig(),
+    return build_training_objects(arch, ModelBuildConfig(bf16=bf16),
                                   OptimizerConfig(name=name, lr=3e-3, clip_grad=0.0, logra=logra),
                                   seed=SEED, train_iters=4)
+
+
+def _step_then_grads(objs, batch: list[dict], vocab: int) -> None:
+    """One plain step (so Adam's second moments are not the first step's |g|), then the
+    gradients of the step under test."""
+    kw = dict(seq_length=24, micro_batch_size=2, vocab_size=vocab)
+    objs.optimizer.zero_grad()
+    forward_backward(objs.model, batch, **kw)
+    objs.optimizer.step()
+    objs.optimizer.zero_grad()
+    forward_backward(objs.model, batch, **kw)
 
 
 def _perturbed_logits(objs, probe, tangents, eps: float) -> torch.Tensor:
@@ -147,13 +162,7 @@ def test_tangent_matches_finite_difference_and_step_is_scaled(arch_dir, name):
     arch = load_arch(arch_dir)
     objs = _objects(arch, name)
     batch = _batch(arch.vocab_size)
-    kw = dict(seq_length=24, micro_batch_size=2, vocab_size=arch.vocab_size)
-    # one plain step first, so Adam's second moments are not the first step's |g|
-    objs.optimizer.zero_grad()
-    forward_backward(objs.model, batch, **kw)
-    objs.optimizer.step()
-    objs.optimizer.zero_grad()
-    forward_backward(objs.model, batch, **kw)
+    _step_then_grads(objs, batch, arch.vocab_size)
     probe = batch[0]
     kl = PredictedKLStep(KLControlConfig(mode="predicted"), temperature=0.8,
                          vocab_size=arch.vocab_size)
@@ -201,3 +210,62 @@ def test_tangent_matches_finite_difference_and_step_is_scaled(arch_dir, name):
     realized = kl.realized_kl(objs.model, probe)
     assert realized == pytest.approx(alpha ** 2 * seen["k"], rel=0.05), (realized, seen["k"])
     assert math.isfinite(realized)
+
+
+def _fp32_copies(objs) -> dict[str, torch.Tensor]:
+    """bf16 params: the fp32 tensor each stepped param is updated through, by param name:
+    megatron's Float16 optimizer's main params (fp32 params such as the norms are their
+    own), and LoGRA's fp32 masters of the sketched weights."""
+    names = {id(p): n for n, p in unwrap(objs.model[0]).named_parameters()}
+    dense = getattr(objs.optimizer, "dense", objs.optimizer)
+    out = {}
+    for sub in getattr(dense, "chained_optimizers", [dense]):
+        for g16, g32 in zip(sub.float16_groups, sub.fp32_from_float16_groups):
+            out.update((names[id(p)], m) for p, m in zip(g16, g32))
+        out.update((names[id(p)], p) for group in sub.fp32_from_fp32_groups for p in group)
+    if isinstance(objs.optimizer, LograOptimizer):
+        out.update((names[id(p)], m) for p, m in zip(objs.optimizer.sketches.params,
+                                                      objs.optimizer.masters))
+    return out
+
+
+@pytest.mark.parametrize("name", ["adam", "logra"])
+def test_bf16_step_is_scaled_on_the_fp32_copies(arch_dir, name):
+    """bf16 params (megatron's Float16 optimizer; LoGRA with fp32 masters): the scaled step
+    puts every fp32 copy at old + alpha (new - old), where new is megatron's and RowAdam's
+    own unscaled step on a twin built from the same seed; the bf16 params are those copies
+    rounded, they are the old ones while alpha is chosen, and the realized KL is alpha^2 K
+    (bf16 rounding of the applied step adds a little)."""
+    arch = load_arch(arch_dir)
+    batch = _batch(arch.vocab_size)
+    twin, objs = _objects(arch, name, bf16=True), _objects(arch, name, bf16=True)
+    for o in (twin, objs):
+        _step_then_grads(o, batch, arch.vocab_size)
+    old = {n: t.detach().clone() for n, t in _fp32_copies(objs).items()}
+    assert len(old) == len(list(unwrap(objs.model[0]).parameters()))
+    for n, t in _fp32_copies(twin).items():
+        assert torch.equal(t, old[n]), n
+    twin.optimizer.step()
+    new = _fp32_copies(twin)
+    params = dict(unwrap(objs.model[0]).named_parameters())
+    params_old = {n: p.detach().clone() for n, p in params.items()}
+    kl = PredictedKLStep(KLControlConfig(mode="predicted"), temperature=0.8,
+                         vocab_size=arch.vocab_size)
+    seen, alpha = {}, 0.05
+
+    def choose_alpha(tangents):
+        seen["at_old"] = all(torch.equal(p, params_old[n]) for n, p in params.items())
+        seen["k"] = kl.quadratic_form(objs.model, batch[0], tangents)
+        return alpha
+
+    ok, _, got_alpha = scaled_optimizer_step(objs.optimizer, objs.model, choose_alpha)
+    assert ok and got_alpha == alpha and seen["at_old"]
+    after = _fp32_copies(objs)
+    assert any(params[n].dtype == torch.bfloat16 for n in after)
+    for n, t in after.items():
+        step = new[n] - old[n]
+        assert step.abs().max() > 0, n
+        torch.testing.assert_close(t - old[n], alpha * step, rtol=1e-4, atol=1e-7)
+        assert torch.equal(params[n].detach(), t.to(params[n].dtype)), n
+    realized = kl.realized_kl(objs.model, batch[0])
+    assert seen["k"] > 0 and realized == pytest.approx(alpha ** 2 * seen["k"], rel=0.2)
