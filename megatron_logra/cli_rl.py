@@ -57,13 +57,16 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kl-alpha-max", type=float, default=3.0, help="largest step scale")
     g.add_argument("--kl-probe-responses", type=int, default=2,
                    help="responses per DP rank the KL prediction uses")
+    g.add_argument("--kl-probe-max-tokens", type=int, default=4096,
+                   help="at most this many generated positions of them per DP rank (the "
+                        "first ones; the forward-mode pass's cost grows with it)")
 
 
 def rl_config(args: argparse.Namespace, dp: int) -> RLConfig:
     """Checked RLConfig; raises ValueError with the flag's name and the fix."""
     for flag in ("prompts_per_step", "responses_per_prompt", "max_new_tokens", "eval_prompts",
                  "eval_samples", "rollout_tensor_parallel_size", "sync_bucket_mb",
-                 "kl_budget_steps", "kl_probe_responses"):
+                 "kl_budget_steps", "kl_probe_responses", "kl_probe_max_tokens"):
         if getattr(args, flag) < 1:
             raise _Error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.temperature <= 0:
@@ -101,7 +104,8 @@ def rl_config(args: argparse.Namespace, dp: int) -> RLConfig:
                      f"{batch // dp} responses each data-parallel rank trains on")
     kl = KLControlConfig(mode=args.kl_control, budget_start=args.kl_budget,
                          budget_end=args.kl_budget_final, budget_steps=args.kl_budget_steps,
-                         alpha_max=args.kl_alpha_max, probe_responses=args.kl_probe_responses)
+                         alpha_max=args.kl_alpha_max, probe_responses=args.kl_probe_responses,
+                         probe_max_tokens=args.kl_probe_max_tokens)
     return RLConfig(algorithm=args.algorithm, prompts_per_step=args.prompts_per_step,
                     responses_per_prompt=args.responses_per_prompt,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature,

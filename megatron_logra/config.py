@@ -93,6 +93,7 @@ class KLControlConfig:
     budget_steps: int = 300  # over this many updates
     alpha_max: float = 3.0
     probe_responses: int = 2  # responses per DP rank the prediction is computed on
+    probe_max_tokens: int = 4096  # at most this many of their generated positions per rank
     mismatch_decay: float = 0.7  # m <- decay m + (1 - decay) max(0, mean(gen - prev))
 
 

@@ -2,7 +2,8 @@
 
 Per update: the rollout/trainer mismatch of this batch updates m and the budget; the
 optimizer steps held back (``training/scaled_step``); one forward-mode pass on the
-probe responses (``--kl-probe-responses`` per DP rank, their generated positions) gives
+probe responses (``--kl-probe-responses`` per DP rank, their generated positions, at
+most ``--kl-probe-max-tokens`` of them: ``cap_probe``) gives
 K; alpha = min(alpha_max, sqrt(budget / K)) scales the update; a plain forward on the
 same probe tokens afterwards gives the realized KL(old || new). Every rank gets the
 same K and alpha: the per-token sums are all-reduced over the world (only the last
@@ -30,6 +31,29 @@ def _global_mean(values: torch.Tensor | None) -> float:
     dist.all_reduce(total)
     total /= parallel_state.get_tensor_model_parallel_world_size()
     return float(total[0] / total[1]) if total[1] > 0 else 0.0
+
+
+def cap_probe(probe: dict[str, torch.Tensor], max_tokens: int) -> dict[str, torch.Tensor]:
+    """The probe cut to its first ``max_tokens`` response positions (row-major): later
+    positions leave ``loss_mask``, and rows and trailing columns with none left are dropped
+    (causal: the kept positions' logits do not change). Tensors [b] keep their kept rows,
+    [b, s] are cut to [b', s'], attention_mask [b, 1, s, s] to [b', 1, s', s']."""
+    mask = probe["loss_mask"] > 0
+    if int(mask.sum()) <= max_tokens:
+        return probe
+    kept = mask & (mask.flatten().cumsum(0) <= max_tokens).view_as(mask)
+    rows = kept.any(dim=1).nonzero().squeeze(1)
+    length = int(kept.any(dim=0).nonzero().max()) + 1
+    out = {}
+    for key, t in probe.items():
+        t = t[rows.to(t.device)]
+        if key == "attention_mask":
+            t = t[:, :, :length, :length]
+        elif t.dim() >= 2:
+            t = t[:, :length]
+        out[key] = t
+    out["loss_mask"] = out["loss_mask"] * kept[rows, :length].to(out["loss_mask"])
+    return out
 
 
 class PredictedKLStep:
@@ -72,7 +96,8 @@ class PredictedKLStep:
         """Observe the mismatch, take the scaled step, measure; (ok, grad norm, record)."""
         self.controller.observe_mismatch(mismatch)
         budget = self.controller.budget(update)
-        probe = {k: v.to(current_device()) for k, v in probe.items()}
+        probe = {k: v.to(current_device())
+                 for k, v in cap_probe(probe, self.cfg.probe_max_tokens).items()}
         record = {"kl_budget": budget, "kl_mismatch_avg": self.controller.mismatch}
 
         def choose_alpha(tangents: UpdateTangents) -> float:

@@ -26,7 +26,7 @@ EXPECTED_FLAGS = {
     "--verifier-timeout", "--eval-interval", "--eval-prompts", "--eval-samples",
     "--rollout-tensor-parallel-size", "--rollout-dtype", "--rollout-kv-cache-gib",
     "--sync-bucket-mb", "--kl-control", "--kl-budget", "--kl-budget-final", "--kl-budget-steps",
-    "--kl-alpha-max", "--kl-probe-responses", "--weight-sync", "--weight-sync-anchor-interval",
+    "--kl-alpha-max", "--kl-probe-responses", "--kl-probe-max-tokens", "--weight-sync", "--weight-sync-anchor-interval",
     "--weight-sync-verify-interval",
 }
 
@@ -66,6 +66,7 @@ def test_valid_command_line_gives_frozen_config():
      "RL global batch, --prompts-per-step x --responses-per-prompt = 12, is not divisible"),
     (["--stage", "rl", "--kl-control", "predicted", "--kl-probe-responses", "64"], 1,
      "--kl-probe-responses 64 exceeds"),
+    (["--stage", "rl", "--kl-probe-max-tokens", "0"], 1, "--kl-probe-max-tokens must be >= 1"),
     (["--stage", "rl", "--responses-per-prompt", "1"], 1, "grpo needs --responses-per-prompt >= 2"),
     (["--stage", "rl", "--weight-sync", "sketch-delta"], 1, "it needs --optimizer logra"),
     (["--stage", "rl", "--weight-sync-anchor-interval", "-1"], 1, "must be >= 0"),

@@ -30,7 +30,7 @@ from megatron_logra.model.logits import causal_inputs
 from megatron_logra.model.provider import ModelBuildConfig, unwrap
 from megatron_logra.model.tiny_assets import write_tiny_model_dir
 from megatron_logra.rl import kl_control
-from megatron_logra.rl.kl_step import PredictedKLStep
+from megatron_logra.rl.kl_step import PredictedKLStep, cap_probe
 from megatron_logra.runtime.device import init_runtime
 from megatron_logra.runtime.parallel import ParallelConfig, initialize
 from megatron_logra.training.scaled_step import scaled_optimizer_step
@@ -157,6 +157,32 @@ def _perturbed_logits(objs, probe, tangents, eps: float) -> torch.Tensor:
     return logits
 
 
+def test_cap_probe_keeps_the_first_response_positions():
+    g = torch.Generator().manual_seed(0)
+    b, s = 4, 10
+    mask = torch.zeros(b, s)
+    mask[0, 3:7] = 1.0  # 4 positions
+    mask[1, 5:10] = 1.0  # 5
+    mask[3, 2:9] = 1.0  # 7; row 2 has none
+    probe = {"tokens": torch.randint(0, 50, (b, s), generator=g), "loss_mask": mask,
+             "labels": torch.randint(0, 50, (b, s), generator=g),
+             "position_ids": torch.arange(s).expand(b, -1),
+             "attention_mask": torch.triu(torch.ones(s, s, dtype=torch.bool), 1).expand(b, 1, s, s),
+             "advantages": torch.arange(b, dtype=torch.float32)}
+    assert cap_probe(probe, 16) is probe  # 16 positions: nothing to cut
+    out = cap_probe(probe, 6)  # row 0's four, then row 1's first two (columns 5, 6)
+    assert out["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1]]
+    assert torch.equal(out["tokens"], probe["tokens"][:2, :7])
+    assert torch.equal(out["labels"], probe["labels"][:2, :7])
+    assert torch.equal(out["position_ids"], probe["position_ids"][:2, :7])
+    assert torch.equal(out["attention_mask"], probe["attention_mask"][:2, :, :7, :7])
+    assert out["advantages"].tolist() == [0.0, 1.0]
+    out = cap_probe(probe, 12)  # rows 0, 1 whole, then row 3's first three (row 2 dropped)
+    assert out["loss_mask"].sum() == 12 and out["advantages"].tolist() == [0.0, 1.0, 3.0]
+    assert out["loss_mask"][2].tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 0, 0]
+    assert out["tokens"].shape == (3, 10)
+
+
 @pytest.mark.parametrize("name", ["adam", "logra"])
 def test_tangent_matches_finite_difference_and_step_is_scaled(arch_dir, name):
     arch = load_arch(arch_dir)
@@ -177,7 +203,12 @@ def test_tangent_matches_finite_difference_and_step_is_scaled(arch_dir, name):
         # the model is at the old weights while alpha is chosen
         for n, p in module.named_parameters():
             assert torch.equal(p, before[n]), n
+        seen["k_capped"] = kl.quadratic_form(objs.model, cap_probe(probe, 9), tangents)
         logits, tangent = logits_with_tangent(objs.model, probe, tangents)
+        mask = probe["loss_mask"].bool()
+        per_token = kl_control.fisher_quadratic(logits[mask], tangent[mask], temperature=0.8,
+                                                vocab_size=arch.vocab_size)
+        seen["k_first9"] = float(per_token[:9].mean())
         eps = 1e-2
         fd = (_perturbed_logits(objs, probe, tangents, eps)
               - _perturbed_logits(objs, probe, tangents, -eps)) / (2 * eps)
@@ -196,6 +227,9 @@ def test_tangent_matches_finite_difference_and_step_is_scaled(arch_dir, name):
     assert ok and got_alpha == alpha
     assert seen["rel_err"] < 1e-3, seen
     assert seen["k"] > 0 and seen["k"] == pytest.approx(seen["k_fd"], rel=1e-3)
+    # the capped probe (fewer rows, shorter) gives its kept positions' own K
+    assert seen["k_capped"] == pytest.approx(seen["k_first9"], rel=1e-6)
+    assert seen["k_capped"] != pytest.approx(seen["k"], rel=1e-3)
     # the applied update is alpha times the direction the tangent was taken along
     after = dict(module.named_parameters())
     for n, t in seen["dense"].items():
