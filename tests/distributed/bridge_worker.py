@@ -29,9 +29,11 @@ BASE = ["--stage", "rl", "--task", "basic_arithmetic", "--prompts-per-step", "4"
 TP2, PP2, ENGINE_TP2 = (["--tensor-model-parallel-size", "2"],
                         ["--pipeline-model-parallel-size", "2"],
                         ["--rollout-tensor-parallel-size", "2"])
-LAYOUTS = {1: {"tp1": []},
-           2: {"tp2_engine_tp2": [*TP2, *ENGINE_TP2], "pp2": PP2},
-           4: {"tp2pp2": [*TP2, *PP2]}}
+TRAINERS = {1: {"tp1": []}, 2: {"tp2": TP2, "pp2": PP2}, 4: {"tp2pp2": [*TP2, *PP2]}}
+# every trainer layout into a vLLM TP1 and a vLLM TP2 engine
+LAYOUTS = {world: {**layouts, **{f"{name}_engine_tp2": [*flags, *ENGINE_TP2]
+                                 for name, flags in layouts.items()}}
+           for world, layouts in TRAINERS.items()}
 TRANSPORTS = ["sparse-delta", "sketch-delta", "sketch-delta", "full"]
 
 
