@@ -43,7 +43,7 @@ demo: setup
 		--out $(SMOL_CKPT) --dtype fp32
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 launch/pretrain_rl.py \
 		--stage rl --pipeline-model-parallel-size 2 --model-dir $(SMOL) --load $(SMOL_CKPT) \
-		--finetune --task basic_arithmetic --optimizer logra --logra-rank 64 \
+		--finetune --task spell_backward --reward partial --optimizer logra --logra-rank 64 \
 		--logra-update-ratio 2e-3 --kl-control predicted --train-iters 10 --prompts-per-step 8 \
 		--responses-per-prompt 4 --micro-batch-size 4 --seq-length 256 --max-new-tokens 48 \
 		--dataset-size 300 --eval-prompts 16 --eval-samples 2 --eval-interval 5 \

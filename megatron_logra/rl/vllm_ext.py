@@ -23,7 +23,9 @@ before they get here: an exception in a worker kills the engine.
 
 from __future__ import annotations
 
+import logging
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -53,12 +55,32 @@ if os.environ.get(LIVE_WEIGHTS_ENV) == "1":
     keep_cpu_weights_live()
 
 
+# vLLM's reload warns, per call, about every layer and tensor the call did not load; a
+# bucket leaves most of them alone by design (hundreds of lines per push otherwise)
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                   "vllm.model_executor.model_loader.reload.inplace")
+
+
+@contextmanager
+def _quiet_partial_reload():
+    loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 class WeightReceiver:
     # --- full pushes ------------------------------------------------------------------------
     def mlogra_load(self, tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Load one bucket of full HF tensors; returns the bytes received."""
         self._mlogra_version = -1
-        self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+        with _quiet_partial_reload():
+            self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
         if any(name == "model.embed_tokens.weight" for name, _ in tensors):
             self._mlogra_retie_lm_head()
         return sum(t.numel() * t.element_size() for _, t in tensors)
