@@ -6,8 +6,8 @@ Imported by the vLLM worker only, never by the trainer. Method names carry an
 Full push: ``mlogra_load`` per bucket of HF-named tensors (vLLM's own
 ``reload_weights`` maps HF names onto its fused, sharded parameters), then
 ``mlogra_commit(version)``; an engine started for deltas uses ``mlogra_set`` instead
-(a copy into the live parameters). A tied lm_head is re-tied to the new embedding after each
-bucket that carries it (vLLM's reload would keep its old copy). Between the first
+(a copy into the live parameters). After a reload, a tied lm_head is re-tied to the new
+embedding for each bucket that carries it (vLLM's reload would keep its old copy). Between the first
 bucket and the commit the worker reports ``version = -1`` (a push in flight), and the
 engine refuses to generate or score with such a worker (``engine.PushInFlight``).
 
