@@ -120,7 +120,7 @@ def _serve(conn, cfg: EngineConfig) -> None:
             return
     conn.send(("ok", "ready"))
     handlers = {"generate": _generate, "load": partial(_load, receiver), "commit": _commit,
-                "version": lambda llm, _: llm.collective_rpc("mlogra_version")[0],
+                "version": lambda llm, _: _engine_version(llm),
                 "prompt_logprobs": _prompt_logprobs}
     if receiver is not None:
         handlers.update(sketch_delta=receiver.sketch_delta, sparse_delta=receiver.sparse_delta,
@@ -162,8 +162,13 @@ def _generate(llm, requests: list[SampleRequest]) -> list[Completion]:
     return done
 
 
+def _engine_version(llm) -> int:
+    """The committed version, -1 while a push is in flight on any worker."""
+    return min(llm.collective_rpc("mlogra_version"))
+
+
 def _require_committed(llm) -> None:
-    if min(llm.collective_rpc("mlogra_version")) < 0:
+    if _engine_version(llm) < 0:
         raise PushInFlight(IN_FLIGHT)
 
 
