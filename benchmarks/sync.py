@@ -72,12 +72,10 @@ def receiver_gemm_floor(arch, rank: int, threads: int = 1) -> float:
     threads (vLLM-CPU gives its worker one here). No stochastic rounding, no writes."""
     from megatron_logra.logra.projection import projection_block
     from megatron_logra.logra.row_adam import DEFAULT_CHUNK_ROWS, low_rank_product
+    from megatron_logra.model.hf_mapping import hf_param_shapes
 
-    q = arch.num_attention_heads * arch.head_dim
-    shapes = [((q + 2 * arch.num_kv_heads * arch.head_dim), arch.hidden_size),
-              (arch.hidden_size, q), (2 * arch.ffn_hidden_size, arch.hidden_size),
-              (arch.hidden_size, arch.ffn_hidden_size)] * arch.num_layers
-    shapes.append((arch.vocab_size, arch.hidden_size))
+    # every target is sketched: the receiver forms D A for every 2-D HF tensor
+    shapes = [s for s in hf_param_shapes(arch).values() if len(s) == 2]
     before, total = torch.get_num_threads(), 0.0
     torch.set_num_threads(threads)
     try:
