@@ -84,12 +84,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logra-beta2", type=float, default=0.95, help="RowAdam second-moment decay")
     g.add_argument("--logra-eps", type=float, default=1e-8,
                    help="RowAdam epsilon, relative to the layer's mean row scale")
-    g.add_argument("--logra-update-ratio", type=float, default=None,
-                   help="norm-ratio step: ||c D A|| = ratio * ||W|| over all sketched weights "
-                        "(default: the step is --lr)")
+    g.add_argument("--logra-update-ratio", type=float, default=LograConfig.update_ratio,
+                   help="norm-ratio step: ||c D A|| = ratio * ||W|| over all sketched weights, "
+                        "as the paper; 0: the step is --lr instead (for plain RowAdam, "
+                        "--no-logra-norm-restoration)")
     g.add_argument("--logra-master-weights", choices=("fp32", "none"), default="fp32",
                    help="with --bf16: keep an fp32 master of sketched weights, or none "
                         "(bf16 only, deterministic stochastic rounding)")
+    g.add_argument("--logra-norm-restoration", action=argparse.BooleanOptionalAction,
+                   default=LograConfig.norm_restoration,
+                   help="rescale each HF module's (q, k, v, o, gate, up, down) RowAdam direction "
+                        "to its sketch's norm, as the paper's reference does; --no-... gives "
+                        "plain RowAdam")
+    g.add_argument("--logra-untargeted", choices=("frozen", "adam"),
+                   default=LograConfig.untargeted,
+                   help="parameters that are not sketched (norms, biases, unsketched embedding "
+                        "and output layer): frozen, as the paper (no optimizer state, no "
+                        "gradient buffers), or trained by Adam at --lr")
+    g.add_argument("--logra-update-factor-dtype", choices=("bfloat16", "float32"),
+                   default=LograConfig.update_factor_dtype,
+                   help="round the final factor alpha c D to this dtype before applying it "
+                        "(the reference rounds to bfloat16)")
     g = p.add_argument_group("data")
     g.add_argument("--task", default="basic_arithmetic",
                    help="reasoning-gym tasks with optional weights: NAME[:WEIGHT],...")
@@ -193,12 +208,16 @@ def _logra_config(args, arch, parallel) -> LograConfig:
         raise ConfigError(f"--logra-beta2 {args.logra_beta2} must be in [0, 1)")
     if args.logra_eps < 0:
         raise ConfigError(f"--logra-eps {args.logra_eps} must be >= 0")
-    if args.logra_update_ratio is not None and args.logra_update_ratio <= 0:
+    if args.logra_update_ratio < 0:
         raise ConfigError(f"--logra-update-ratio {args.logra_update_ratio} must be > 0 "
-                          f"(the reference runs use 6e-5)")
+                          f"(the reference runs use 6e-5), or 0 to step by --lr")
     if args.logra_master_weights == "none" and not args.bf16:
         raise ConfigError("--logra-master-weights none keeps bf16 weights only: add --bf16 "
                           "(fp32 parameters are their own master)")
+    if args.logra_master_weights == "none" and args.logra_update_factor_dtype != "bfloat16":
+        raise ConfigError("--logra-master-weights none applies bf16 factors (the exact, "
+                          "reproducible update a rollout engine repeats): drop "
+                          "--logra-update-factor-dtype float32 or keep an fp32 master")
     tp = parallel.tensor_model_parallel_size
     if "qkv" in targets and arch.num_kv_heads < tp:
         raise ConfigError(f"LoGRA cannot sketch linear_qkv when num_key_value_heads "
@@ -208,8 +227,11 @@ def _logra_config(args, arch, parallel) -> LograConfig:
     return LograConfig(rank=args.logra_rank, projection=args.logra_projection,
                        refresh_interval=args.logra_refresh_interval, targets=targets,
                        beta2=args.logra_beta2, eps=args.logra_eps,
-                       update_ratio=args.logra_update_ratio,
-                       master_weights=args.logra_master_weights)
+                       update_ratio=args.logra_update_ratio or None,
+                       master_weights=args.logra_master_weights,
+                       norm_restoration=args.logra_norm_restoration,
+                       untargeted=args.logra_untargeted,
+                       update_factor_dtype=args.logra_update_factor_dtype)
 
 
 def parse_run_config(argv: list[str] | None = None, world_size: int | None = None) -> RunConfig:

@@ -23,7 +23,12 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-seed", type=int, default=0, help="sampling seed")
     g.add_argument("--tis-cap", type=float, default=2.0,
                    help="truncated importance sampling cap on pi_train/pi_rollout (0: off)")
-    g.add_argument("--baseline-decay", type=float, default=0.9, help="reinforce baseline decay")
+    g.add_argument("--baseline-decay", type=float, default=RLConfig.baseline_decay,
+                   help="reinforce: b <- decay b + (1 - decay) mean(outcomes of this batch), "
+                        "after its advantages (past batches only; b starts at 0)")
+    g.add_argument("--failure-reward", type=float, default=RLConfig.failure_reward,
+                   help="reinforce with binary rewards: the outcome of an answer scoring below "
+                        "1 (a correct one is 1), as the paper's running-baseline REINFORCE")
     g.add_argument("--reward", choices=("binary", "partial"), default="binary",
                    help="binary correctness (score == 1) or the scorer's partial credit")
     g.add_argument("--verifier-timeout", type=float, default=10.0,
@@ -32,6 +37,10 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
                    help="updates between evaluations (0: only before and after training)")
     g.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts per evaluation")
     g.add_argument("--eval-samples", type=int, default=4, help="samples per eval prompt (pass@k)")
+    g.add_argument("--eval-temperature", type=float, default=RLConfig.eval_temperature,
+                   help="sampling temperature of evaluations (the paper: 0.7)")
+    g.add_argument("--eval-top-p", type=float, default=RLConfig.eval_top_p,
+                   help="nucleus sampling of evaluations (the paper: 0.7; 1 turns it off)")
     g.add_argument("--rollout-tensor-parallel-size", type=int, default=1,
                    help="vLLM tensor-parallel size of the rollout engine")
     g.add_argument("--rollout-dtype", choices=("float32", "bfloat16"), default="float32",
@@ -58,8 +67,30 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kl-probe-responses", type=int, default=2,
                    help="responses per DP rank the KL prediction uses")
     g.add_argument("--kl-probe-max-tokens", type=int, default=4096,
-                   help="at most this many generated positions of them per DP rank (the "
-                        "first ones; the forward-mode pass's cost grows with it)")
+                   help="each probe response is cut at this many tokens, prompt included "
+                        "(the reference's cap; the forward-mode pass's cost grows with it)")
+
+
+def _check_sketch_delta(args: argparse.Namespace) -> None:
+    """sketch-delta keeps the engine bit-identical to the trainer only when both apply the
+    same bf16 update with the same rounding bits; anything else drifts (every fingerprint
+    fails, or silently without verification), so it is refused before any work."""
+    if args.optimizer != "logra":
+        raise _Error("--weight-sync sketch-delta sends LoGRA's low-rank updates: it needs "
+                     "--optimizer logra (use --weight-sync full with Adam)")
+    inexact = [flag for flag, bad in (
+        ("--bf16 (the trainer's weights are fp32)", not args.bf16),
+        ("--logra-master-weights none (an fp32 master rounds differently from the engine)",
+         args.logra_master_weights != "none"),
+        ("--rollout-dtype bfloat16 (an fp32 engine cannot hold the trainer's bf16 result)",
+         args.rollout_dtype != "bfloat16"),
+        ("--logra-projection rademacher (Gaussian entries are not exact in fp64 products)",
+         args.logra_projection != "rademacher")) if bad]
+    if inexact:
+        raise _Error("--weight-sync sketch-delta keeps the engine bit-exact only with "
+                     "--bf16 --logra-master-weights none --rollout-dtype bfloat16 and "
+                     "Rademacher projections; missing: " + "; ".join(inexact) +
+                     ". Add them, or use --weight-sync sparse-delta or full")
 
 
 def rl_config(args: argparse.Namespace, dp: int) -> RLConfig:
@@ -85,9 +116,10 @@ def rl_config(args: argparse.Namespace, dp: int) -> RLConfig:
         raise _Error("need 0 < --kl-budget-final <= --kl-budget")
     if args.kl_alpha_max <= 0:
         raise _Error("--kl-alpha-max must be > 0")
-    if args.weight_sync == "sketch-delta" and args.optimizer != "logra":
-        raise _Error("--weight-sync sketch-delta sends LoGRA's low-rank updates: it needs "
-                     "--optimizer logra (use --weight-sync full with Adam)")
+    if args.weight_sync == "sketch-delta":
+        _check_sketch_delta(args)
+    if not 0 < args.eval_top_p <= 1 or args.eval_temperature <= 0:
+        raise _Error("need 0 < --eval-top-p <= 1 and --eval-temperature > 0")
     if args.weight_sync_anchor_interval < 0 or args.weight_sync_verify_interval < 0:
         raise _Error("--weight-sync-anchor-interval and --weight-sync-verify-interval must "
                      "be >= 0")
@@ -110,7 +142,9 @@ def rl_config(args: argparse.Namespace, dp: int) -> RLConfig:
                     responses_per_prompt=args.responses_per_prompt,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                     rollout_seed=args.rollout_seed, tis_cap=args.tis_cap or None,
-                    baseline_decay=args.baseline_decay, reward=args.reward,
+                    baseline_decay=args.baseline_decay, failure_reward=args.failure_reward,
+                    reward=args.reward, eval_temperature=args.eval_temperature,
+                    eval_top_p=args.eval_top_p,
                     verifier_timeout_s=args.verifier_timeout, eval_interval=args.eval_interval,
                     eval_prompts=args.eval_prompts, eval_samples=args.eval_samples,
                     rollout_tensor_parallel_size=args.rollout_tensor_parallel_size,

@@ -30,8 +30,20 @@ class LograConfig:
     targets: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
     beta2: float = 0.95
     eps: float = 1e-8  # relative to the layer's mean row scale
-    update_ratio: float | None = None  # norm-ratio step; None: --lr is the step size
+    update_ratio: float | None = 6e-5
+    """Norm-ratio step ||c D A|| = ratio ||W|| over all sketched weights (the reference's
+    6e-5); None: --lr is the step size (meant for plain RowAdam, whose D is O(1) per element;
+    a restored D carries the token-normalised sketch's norm)."""
     master_weights: str = "fp32"  # with --bf16: fp32 master copy | none (stochastic rounding)
+    norm_restoration: bool = True
+    """Rescale each HF module's direction to its sketch's Frobenius norm (the reference's
+    ``row_adam_direction``); False: plain RowAdam (NVIDIA's simplified port)."""
+    untargeted: str = "frozen"
+    """Parameters that are not sketched: "frozen" (the reference: no optimizer, no grads)
+    or "adam" (megatron's Adam at --lr, clipped by --clip-grad)."""
+    update_factor_dtype: str = "bfloat16"
+    """The final factor alpha c D is rounded to this dtype before it is applied (the
+    reference's default); "float32" keeps it exact (not with --logra-master-weights none)."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +105,7 @@ class KLControlConfig:
     budget_steps: int = 300  # over this many updates
     alpha_max: float = 3.0
     probe_responses: int = 2  # responses per DP rank the prediction is computed on
-    probe_max_tokens: int = 4096  # at most this many of their generated positions per rank
+    probe_max_tokens: int = 4096  # each probe response cut at this many tokens, prompt included
     mismatch_decay: float = 0.7  # m <- decay m + (1 - decay) max(0, mean(gen - prev))
 
 
@@ -108,12 +120,15 @@ class RLConfig:
     temperature: float = 1.0
     rollout_seed: int = 0
     tis_cap: float | None = 2.0  # truncated importance sampling cap; None: off
-    baseline_decay: float = 0.9  # reinforce
+    baseline_decay: float = 0.9  # reinforce: b <- decay b + (1 - decay) mean(outcomes)
+    failure_reward: float = -0.01  # reinforce, binary rewards: the outcome of a wrong answer
     reward: str = "binary"  # binary | partial
     verifier_timeout_s: float = 10.0
     eval_interval: int = 0  # updates between evaluations (0: only before and after)
     eval_prompts: int = 32
     eval_samples: int = 4  # k of pass@k
+    eval_temperature: float = 0.7  # evaluation sampling (the reference's 0.7 / 0.7)
+    eval_top_p: float = 0.7
     rollout_tensor_parallel_size: int = 1
     rollout_dtype: str = "float32"  # float32 | bfloat16
     rollout_kv_cache_gib: float = 1.0

@@ -1,24 +1,29 @@
-"""The LoGRA optimizer: RowAdam on the sketched weights beside megatron's dense Adam.
+"""The LoGRA optimizer: RowAdam on the sketched weights (the paper's update rule).
 
-``LograOptimizer`` wraps the megatron-core optimizer built for the parameters
-that still require grad (norm weights, biases, q/k norms: "dense Adam for
-unsketched params"), so megatron keeps doing their DP reduction, clipping,
-mixed precision and (with ``--use-distributed-optimizer``) their sharding and
-all-gather. ``step()`` runs it, then the RowAdam update of every sketched weight:
+``LograOptimizer`` owns the sketched weights' update. The other parameters are either
+frozen (the paper's reference: ``dense`` is None, no optimizer state, no grads) or
+trained by the megatron-core optimizer it wraps (``dense``: megatron keeps their DP
+reduction, clipping, mixed precision and sharding). ``step()`` runs the dense step (if
+any), then the RowAdam update of every sketched weight, in the reference's order
+(``skzhang1/RL`` ``nemo_rl/models/automodel/logra.py``):
 
-1. v, rho per local row (``row_adam``); mean rho per layer, summed over TP for
-   column-parallel layers (their rows are split), local for row-parallel ones;
-2. D = S / (rho + eps mean rho); one global factor c over all sketched layers,
-   ``update_ratio * ||W|| / ||D A||`` (partial squared norms summed over the
-   model-parallel group: TP and PP) or the scheduler's learning rate;
-3. ``alpha`` = ``scale_fn(stats)`` when ``step_sketches`` is given one (predicted-KL
+1. the reduced sketch (of the per-token mean loss) is divided by the global token
+   count again, as the reference does (this only weights the steps inside v);
+2. v, rho per local row (``row_adam``); per HF module (q, k, v, o, gate, up, down) the
+   mean rho and, with norm restoration, ||S_m||: partial sums over TP for
+   column-parallel weights (their rows are split) and over DP for row-sharded ones;
+3. D = S / (rho + eps mean_m rho), then D_m *= ||S_m|| / ||D_m|| (restoration);
+4. one global factor c over all sketched weights, ``update_ratio * ||W|| / ||D A||``
+   (||W|| from the fp32 masters when kept; partial squared norms summed over TP and PP)
+   or the scheduler's learning rate;
+5. ``alpha`` = ``scale_fn(stats)`` when ``step_sketches`` is given one (predicted-KL
    control, ``training/scaled_step``); 1 in ``step()``;
-4. W -= alpha c D A in row chunks, in one of the precision modes:
-   fp32 params (exact); bf16 params + fp32 master (the master gets the update,
-   the bf16 weight is rounded from it); bf16 params only (``none``): the fp32
-   value of W - alpha c D A is rounded stochastically with counter-based bits,
-   D first rounded to bf16 (the payload a rollout engine receives), so any
-   process holding the same bf16 W and (D, seed) reproduces the result bit-exactly.
+6. the factor alpha c D is rounded to bf16 (the reference's default;
+   ``update_factor_dtype``), then W -= (alpha c D) A in row chunks, in one of the
+   precision modes: fp32 params (exact); bf16 params + fp32 master (the master gets
+   the update, the bf16 weight is rounded from it); bf16 params only (``none``): the
+   fp32 value of W - (alpha c D) A is rounded stochastically with counter-based bits, so
+   any process holding the same bf16 W and (factor, seed) reproduces it bit-exactly.
 
 Then the sketches are zeroed and new projections drawn for the next update.
 
@@ -44,6 +49,7 @@ from megatron_logra.logra.sketches import SketchSet
 from megatron_logra.logra.weight_tangent import LowRankTangent
 
 MASTER_MODES = ("fp32", "none")
+FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -52,16 +58,19 @@ class RowAdamConfig:
     eps: float = 1e-8
     update_ratio: float | None = None  # None: the step is the learning rate
     master_weights: str = "fp32"  # for bf16 params: "fp32" master copy | "none" (SR)
+    norm_restoration: bool = True  # D_m rescaled to ||S_m|| per HF module
+    update_factor_dtype: str = "bfloat16"  # alpha c D rounded to this before it is applied
     chunk_rows: int = row_adam.DEFAULT_CHUNK_ROWS
     shard_over_dp: bool = False  # row-aligned DP sharding (with --use-distributed-optimizer)
+    lr: float = 0.0  # the schedule's peak, when no dense optimizer carries param groups
 
 
 @dataclass
 class SketchUpdate:
     """What one update did to a sketched weight: W -= coefficient * D A(seed)."""
 
-    d: torch.Tensor  # [owned rows, r] fp32 (bf16-representable in "none" mode)
-    coefficient: float  # alpha * c
+    d: torch.Tensor  # [owned rows, r] fp32 (bf16-representable with a bf16 factor)
+    coefficient: float  # 1 when D is the rounded factor alpha c D itself
     seed: int
     shard: RowShard  # which local rows of the weight d's rows are (all without DP sharding)
 
@@ -74,13 +83,21 @@ def _active_rows(d: torch.Tensor) -> torch.Tensor | None:
 
 
 class LograOptimizer:
-    """Dense megatron optimizer + RowAdam over a ``SketchSet``; megatron's optimizer API."""
+    """RowAdam over a ``SketchSet`` (+ the dense megatron optimizer, if any); megatron's
+    optimizer API."""
 
     def __init__(self, dense, sketches: SketchSet, cfg: RowAdamConfig):
         if cfg.master_weights not in MASTER_MODES:
             raise ValueError(f"--logra-master-weights {cfg.master_weights!r}: choose from "
                              f"{MASTER_MODES}")
+        if cfg.update_factor_dtype not in FACTOR_DTYPES:
+            raise ValueError(f"--logra-update-factor-dtype {cfg.update_factor_dtype!r}: choose "
+                             f"from {tuple(FACTOR_DTYPES)}")
+        if cfg.master_weights == "none" and cfg.update_factor_dtype != "bfloat16":
+            raise ValueError("--logra-master-weights none needs bf16 update factors")
         self.dense, self.sketches, self.cfg = dense, sketches, cfg
+        # without a dense optimizer the scheduler drives these groups (the lr step size)
+        self._groups = [{"lr": cfg.lr, "weight_decay": 0.0, "params": []}]
         dp_size, dp_rank = 1, 0
         if cfg.shard_over_dp:
             dp_size = parallel_state.get_data_parallel_world_size()
@@ -93,6 +110,11 @@ class LograOptimizer:
                        for p in sketches.params]
         self.masters = [sh.take(p.detach()).float().clone() if keep else None
                         for p, sh, keep in zip(sketches.params, self.shards, keep_master)]
+        # per-module statistics: slot i's modules are entries [offsets[i], offsets[i + 1])
+        counts = [len(slot.module_names) for slot in sketches.slots]
+        self.module_offsets = [sum(counts[:i]) for i in range(len(counts) + 1)]
+        self.owned_modules = [sh.take(slot.module_rows)
+                              for sh, slot in zip(self.shards, sketches.slots)]
         self.steps = 0  # RowAdam steps taken (bias correction)
         # (D, coefficient, seed) per weight of the last update, for a receiver (rollout engine,
         # tests); off by default: it holds another out x r fp32 tensor per sketched weight
@@ -104,23 +126,30 @@ class LograOptimizer:
     # --- megatron optimizer API the trainer and scheduler use -------------------------------
     @property
     def param_groups(self):
-        return self.dense.param_groups
+        return self.dense.param_groups if self.dense is not None else self._groups
 
     def scale_loss(self, loss):
-        return self.dense.scale_loss(loss)
+        return self.dense.scale_loss(loss) if self.dense is not None else loss
 
     def zero_grad(self, set_to_none: bool = True):
-        self.dense.zero_grad(set_to_none)
+        if self.dense is not None:
+            self.dense.zero_grad(set_to_none)
         self.sketches.zero()
 
     def get_loss_scale(self):
-        return self.dense.get_loss_scale()
+        if self.dense is not None:
+            return self.dense.get_loss_scale()
+        return torch.ones((), device=self._device())
 
     @torch.no_grad()
     def step(self):
-        ok, grad_norm, zeros = self.dense.step()
+        ok, grad_norm, zeros = True, None, None
+        if self.dense is not None:
+            ok, grad_norm, zeros = self.dense.step()
         if ok:
             self.step_sketches()
+        if self.dense is None:
+            grad_norm = self.last_stats.get("sketch_norm")
         return ok, grad_norm, zeros
 
     def low_rank_tangents(self, coefficient: float) -> dict[int, LowRankTangent]:
@@ -136,32 +165,71 @@ class LograOptimizer:
 
     # --- RowAdam ---------------------------------------------------------------------------
     def _lr(self) -> float:
-        return float(self.dense.param_groups[0]["lr"])
+        return float(self.param_groups[0]["lr"])
 
-    def _directions(self) -> None:
+    def _module_sums(self, width: int, per_row) -> torch.Tensor:
+        """[width, modules] per-module sums of ``width`` per-row statistics, summed over the
+        ranks that hold other rows of the same module: DP (row-sharded weights) and TP
+        (column-parallel weights). ``per_row(i, owned rows of slot i's sketch)`` returns
+        ``width`` tensors [owned rows]."""
+        sk, offsets = self.sketches, self.module_offsets
+        rows = None
+        for i, (slot, shard) in enumerate(zip(sk.slots, self.shards)):
+            values = per_row(i, shard.take(slot.sketch))
+            n = offsets[i + 1] - offsets[i]
+            part = torch.stack([row_adam.module_sums(v, self.owned_modules[i], n)
+                                for v in values])
+            rows = part if rows is None else torch.cat([rows, part], dim=1)
+        if rows is None:
+            return torch.zeros(width, 0, dtype=torch.float64)
+        rows = rows.cpu()
+        dp_split = torch.cat([torch.full((offsets[i + 1] - offsets[i],), sh.sharded)
+                              for i, sh in enumerate(self.shards)])
+        tp_split = torch.cat([torch.full((offsets[i + 1] - offsets[i],), s.parallel == "column")
+                              for i, s in enumerate(sk.slots)])
+        rows = self._masked_sum(rows, dp_split, parallel_state.get_data_parallel_group)
+        return self._masked_sum(rows, tp_split, parallel_state.get_tensor_model_parallel_group)
+
+    def _directions(self) -> float:
         """Turn each sketch's owned rows into D [owned rows, r] in place (the sketch buffer is
-        zeroed after the step anyway, so D costs no second out x r tensor per weight); in
-        "none" mode D is rounded to bf16 values, the payload a receiver gets."""
+        zeroed after the step anyway, so D costs no second out x r tensor per weight).
+        Returns ||S||_F of the whole model's reduced sketches (before the token division)."""
         cfg, sk = self.cfg, self.sketches
+        tokens = sk.num_tokens
+        sk.divide(tokens)  # the reference's normalisation: S / generated tokens, again
         rhos = []
-        for v, sh, slot in zip(self.row_v, self.shards, sk.slots):
-            row_adam.update_row_moments(v, sh.take(slot.sketch), cfg.beta2)
-            rhos.append(row_adam.row_scale(v, self.steps, cfg.beta2))
-        # mean rho per layer over its global rows: rows are split over DP (sharded weights)
-        # and over TP (column-parallel weights)
-        sums = torch.tensor([float(r.double().sum()) for r in rhos], dtype=torch.float64)
-        counts = torch.tensor([float(r.numel()) for r in rhos], dtype=torch.float64)
-        both = torch.stack([sums, counts])
-        dp_split = torch.tensor([sh.sharded for sh in self.shards], dtype=torch.bool)
-        tp_split = torch.tensor([s.parallel == "column" for s in sk.slots], dtype=torch.bool)
-        both = self._masked_sum(both, dp_split, parallel_state.get_data_parallel_group)
-        both = self._masked_sum(both, tp_split, parallel_state.get_tensor_model_parallel_group)
-        means = (both[0] / both[1].clamp(min=1)).tolist()
-        for sh, slot, rho, mean in zip(self.shards, sk.slots, rhos, means):
-            for rows, state_rows in sh.pieces():
-                d = row_adam.direction_(slot.sketch[rows], rho[state_rows], mean, cfg.eps)
-                if cfg.master_weights == "none":
-                    d.copy_(d.to(torch.bfloat16))
+
+        def rho_stats(i, s):
+            row_adam.update_row_moments(self.row_v[i], s, cfg.beta2)
+            rhos.append(row_adam.row_scale(self.row_v[i], self.steps, cfg.beta2))
+            return [rhos[-1], torch.ones_like(rhos[-1]), s.double().pow(2).sum(1)]
+
+        rho_sum, count, sketch_sq = self._module_sums(3, rho_stats)
+        mean_rho = rho_sum / count.clamp(min=1)
+        for i, (slot, shard) in enumerate(zip(sk.slots, self.shards)):
+            means = mean_rho[self.module_offsets[i]:self.module_offsets[i + 1]].to(slot.sketch)
+            for rows, state_rows in shard.pieces():
+                row_adam.direction_(slot.sketch[rows], rhos[i][state_rows],
+                                    means[slot.module_rows[rows]], cfg.eps)
+        if cfg.norm_restoration:
+            (direction_sq,) = self._module_sums(1, lambda i, d: [d.double().pow(2).sum(1)])
+            factors = row_adam.restoration_factors(sketch_sq, direction_sq)
+            for i, (slot, shard) in enumerate(zip(sk.slots, self.shards)):
+                scale = factors[self.module_offsets[i]:self.module_offsets[i + 1]].to(slot.sketch)
+                for rows, _ in shard.pieces():
+                    slot.sketch[rows] *= scale[slot.module_rows[rows]][:, None]
+        return self._sketch_norm(sketch_sq) * tokens
+
+    def _sketch_norm(self, sketch_sq: torch.Tensor) -> float:
+        """||S||_F over the model from per-module squared norms (whole over TP and DP
+        already): a tied embedding's last-stage copy counted once, stages summed over PP."""
+        total = torch.zeros(1, dtype=torch.float64)
+        for i, slot in enumerate(self.sketches.slots):
+            if not slot.duplicate:
+                total += sketch_sq[self.module_offsets[i]:self.module_offsets[i + 1]].sum()
+        total = self._masked_sum(total, torch.tensor([True]),
+                                 parallel_state.get_pipeline_model_parallel_group)
+        return float(total[0]) ** 0.5
 
     def _masked_sum(self, values: torch.Tensor, mask: torch.Tensor, group_fn) -> torch.Tensor:
         """``values`` [..., n] with the columns where ``mask`` [n] holds summed over a group."""
@@ -179,15 +247,19 @@ class LograOptimizer:
 
     def _global_norms(self) -> tuple[float, float]:
         """(||W||^2, ||c-free update D A||^2) over every sketched weight of the model: partial
-        sums over owned rows, summed over DP for sharded weights, then over TP and PP. A tied
-        embedding's last-stage copy is the same matrix: counted once."""
+        sums over owned rows (of the fp32 master when kept), summed over DP for sharded
+        weights, then over TP and PP. A tied embedding's last-stage copy is the same matrix:
+        counted once."""
         parts = torch.zeros(2, 2, dtype=torch.float64)  # [weight, update] x [replicated, sharded]
-        for param, slot, shard in zip(self.sketches.params, self.sketches.slots, self.shards):
+        for i, (param, slot, shard) in enumerate(zip(self.sketches.params, self.sketches.slots,
+                                                     self.shards)):
             if slot.duplicate:
                 continue
             d = shard.take(slot.sketch)
-            weight_sq = sum(row_adam.weight_sq_norm(param[rows], self.cfg.chunk_rows)
-                            for rows, _ in shard.pieces())
+            master = self.masters[i]
+            weight_sq = sum(row_adam.weight_sq_norm(
+                param[rows] if master is None else master[state_rows], self.cfg.chunk_rows)
+                for rows, state_rows in shard.pieces())
             nonzero = _active_rows(d)
             update_sq = float(row_adam.update_sq_norm(d if nonzero is None else d[nonzero],
                                                       slot.projection))
@@ -202,32 +274,38 @@ class LograOptimizer:
 
     @torch.no_grad()
     def step_sketches(self, scale_fn: Callable[[dict], float] | None = None) -> None:
-        """The RowAdam update of every sketched weight (after the dense step)."""
+        """The RowAdam update of every sketched weight (after the dense step, if any)."""
         cfg, sk = self.cfg, self.sketches
         update = self.steps  # 0-based index of this update
         self.steps += 1
-        self._directions()
+        sketch_norm = self._directions()
         weight_sq, update_sq = self._global_norms()
         if cfg.update_ratio is not None:
             c = row_adam.norm_ratio_factor(cfg.update_ratio, weight_sq, update_sq)
         else:
             c = self._lr()
         stats = {"update": update, "c": c, "weight_norm": weight_sq ** 0.5,
-                 "update_norm": update_sq ** 0.5}
+                 "update_norm": update_sq ** 0.5, "sketch_norm": sketch_norm}
         alpha = 1.0 if scale_fn is None else float(scale_fn(stats))
         stats["alpha"] = alpha
         coefficient = alpha * c
+        factor_dtype = FACTOR_DTYPES[cfg.update_factor_dtype]
         self.last_updates = {}
         dp_group = parallel_state.get_data_parallel_group() if cfg.shard_over_dp else None
         for i, (param, slot, shard) in enumerate(zip(sk.params, sk.slots, self.shards)):
             seed = sk.seed_of(slot, update)
+            applied = coefficient
+            if factor_dtype != torch.float32:  # the factor alpha c D itself, rounded
+                for rows, _ in shard.pieces():
+                    d = slot.sketch[rows]
+                    d.copy_(d.mul_(coefficient).to(factor_dtype))
+                applied = 1.0
             for rows, state_rows in shard.pieces():
-                self._apply(i, param, slot, rows, state_rows, slot.sketch[rows], coefficient,
-                            seed)
+                self._apply(i, param, slot, rows, state_rows, slot.sketch[rows], applied, seed)
             all_gather_rows(param.data, shard, dp_group)
             if self.keep_updates:
                 self.last_updates[slot.name] = SketchUpdate(shard.take(slot.sketch).clone(),
-                                                            coefficient, seed, shard)
+                                                            applied, seed, shard)
         self.last_stats = stats
         sk.zero()
         sk.refresh(update + 1)
@@ -273,14 +351,17 @@ class LograOptimizer:
         canonical (TP=1) layout, so they reshard across TP/PP/DP like the weights."""
         from megatron_logra.logra.state_sharding import logra_sharded_state
 
-        return {"dense": self.dense.sharded_state_dict(model_sharded_state_dict,
-                                                       is_loading=is_loading, **kwargs),
-                "logra": logra_sharded_state(self)}
+        state = {"logra": logra_sharded_state(self)}
+        if self.dense is not None:
+            state["dense"] = self.dense.sharded_state_dict(model_sharded_state_dict,
+                                                           is_loading=is_loading, **kwargs)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         from megatron_logra.logra.state_sharding import load_logra_state
 
-        self.dense.load_state_dict(state["dense"])
+        if self.dense is not None:
+            self.dense.load_state_dict(state["dense"])
         load_logra_state(self, state["logra"])
         self.sketches.zero()
         self.sketches.refresh(self.steps)

@@ -5,13 +5,20 @@ A (r x in) (../shared/notes/logra-method.md, section 2):
 
     v_i  <- b2 v_i + (1 - b2) mean_j S_ij^2           one fp32 number per output row
     rho_i = sqrt(v_i / (1 - b2^t))
-    D_ij  = S_ij / (rho_i + eps * mean_k rho_k)       eps relative to the layer's mean rho
+    D_ij  = S_ij / (rho_i + eps * mean_{k in m} rho_k)   eps relative to the module's mean rho
+    D_m  <- D_m * ||S_m||_F / ||D_m||_F               norm restoration, per module m
     W    <- W - c D A                                  applied in row chunks
 
+A module m is one HF weight (q, k, v, o, gate, up, down): megatron's fused qkv and
+fc1 hold several, each with its own relative-eps mean and its own restoration, as the
+paper's reference (separate HF modules) computes them. Restoration makes each module's
+direction carry its sketch's norm, so modules move in proportion to their gradients;
+without it (plain RowAdam) every row is normalised to about the same size.
+
 Under model parallelism a rank holds some rows of W (column-parallel) or a column
-slice (row-parallel); the callers reduce the partial quantities (sums of rho, squared weight norms,
-``update_sq_norm``) over the right groups, so the math here is the same whatever
-the layout.
+slice (row-parallel); the callers reduce the partial quantities (per-module sums of rho,
+of S^2 and D^2, squared weight norms, ``update_sq_norm``) over the right groups, so the
+math here is the same whatever the layout.
 """
 
 from __future__ import annotations
@@ -50,6 +57,19 @@ def direction_(sketch: torch.Tensor, rho: torch.Tensor, mean_rho: float | torch.
                eps: float) -> torch.Tensor:
     """In place: an fp32 sketch [out, r] becomes D (as ``direction``); returns it."""
     return sketch.div_(_denominator(rho, mean_rho, eps)[:, None])
+
+
+def module_sums(values: torch.Tensor, modules: torch.Tensor, num_modules: int) -> torch.Tensor:
+    """Per-module sums [num_modules] (fp64) of per-row ``values`` [rows]; ``modules`` [rows]
+    (int64) is each row's module index."""
+    out = torch.zeros(num_modules, dtype=torch.float64, device=values.device)
+    return out.index_add_(0, modules.to(values.device), values.double())
+
+
+def restoration_factors(sketch_sq: torch.Tensor, direction_sq: torch.Tensor) -> torch.Tensor:
+    """||S_m|| / ||D_m|| per module from squared norms [m] (0 where D_m = 0: no gradient)."""
+    ok = direction_sq > 0
+    return torch.where(ok, (sketch_sq / torch.where(ok, direction_sq, 1.0)).sqrt(), 0.0)
 
 
 def update_sq_norm(d: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,8 @@ class SketchSlot:
     parallel: str  # "column" (rows split over TP) | "row" (columns split over TP)
     global_rows: torch.Tensor  # [out_local] canonical row index of each local row (int64)
     col_offset: int  # global index of this rank's first input column
+    module_rows: torch.Tensor  # [out_local] int64: the HF module (index into module_names) of each row
+    module_names: tuple[str, ...]  # HF tensors the weight fuses (q, k, v; gate, up; one)
     sketch: torch.Tensor  # [out_local, r] fp32 accumulator S
     projection: torch.Tensor | None = None  # [r, in_local] this rank's columns of A
     duplicate: bool = False  # the last stage's copy of a tied embedding (PP > 1)

@@ -10,7 +10,12 @@ one for row-parallel weights (S is a partial sum over TP ranks).
 Once per update, after megatron's own gradient finalisation:
 ``reduce(num_tokens)`` sums the row-parallel buffer over TP, both buffers over
 DP (an out x r payload per weight instead of out x in), and divides by the
-global loss-token count, as megatron scales dense gradients.
+global loss-token count, as megatron scales dense gradients (S = G A^T of the
+per-token mean loss; the count is kept for the optimizer's own normalisation).
+
+Each slot also knows which HF module (q, k, v of the fused qkv; gate, up of fc1;
+one for the other weights; the vocab padding apart) each of its local rows
+belongs to (``module_rows``), for RowAdam's per-module statistics.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_logra.logra.projection import parameter_seed, projection_block
+from megatron_logra.model.arch import ModelArch
+from megatron_logra.model.hf_mapping import row_segments
 from megatron_logra.logra.sketched_linear import (
     SKETCHED_TYPES,
     SketchedColumnParallelLinear,
@@ -53,6 +60,35 @@ def _canonical_rows(module, name: str, out_local: int, tp_rank: int, tp_size: in
     return tp_rank * out_local + local
 
 
+def hf_modules_of_rows(arch: ModelArch, name: str) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """(module index [canonical rows] int64, module names) of megatron weight ``name``: the
+    HF tensor each canonical (TP=1) row comes from (qkv interleaved per query group, fc1
+    [gate; up]); zero-padded vocabulary rows form a module of their own ("padding")."""
+    names: list[str] = []
+    ids = []
+    for seg in row_segments(arch, name):
+        key = seg.hf_name or "padding"
+        if key not in names:
+            names.append(key)
+        ids.append(torch.full((seg.rows,), names.index(key), dtype=torch.int64))
+    return torch.cat(ids), tuple(names)
+
+
+def anchor_frozen_embeddings(chunks: list[torch.nn.Module]) -> None:
+    """With every parameter frozen, the first stage's embedding output would not require
+    grad and no backward (hence no sketch) would run: make it a differentiable leaf while
+    grad is enabled, as the reference's embedding hook does. A no-op when it already
+    requires grad (a sketched or trained embedding)."""
+    def hook(module, inputs, output):
+        if torch.is_grad_enabled() and not output.requires_grad:
+            return output.detach().requires_grad_(True)
+        return None
+
+    for chunk in chunks:
+        if chunk.pre_process:
+            chunk.embedding.register_forward_hook(hook)
+
+
 def _embedding_and_output(chunk) -> list[tuple[str, torch.nn.Module, bool, bool]]:
     """(canonical name, module, gated, duplicate) of a chunk's sketched embedding / output
     layer. A tied output layer on a later stage than the embedding holds its own copy of the
@@ -72,8 +108,9 @@ def _embedding_and_output(chunk) -> list[tuple[str, torch.nn.Module, bool, bool]
 class SketchSet:
     """Every sketched weight of this rank, in a fixed order (by canonical name)."""
 
-    def __init__(self, chunks: list[torch.nn.Module], cfg: SketchConfig):
+    def __init__(self, chunks: list[torch.nn.Module], cfg: SketchConfig, arch: ModelArch):
         self.cfg = cfg
+        self.num_tokens = 1.0  # global loss tokens of the last reduce()
         self.gated = any(bool(c.config.gated_linear_unit) for c in chunks)
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -97,9 +134,12 @@ class SketchSet:
             out_local, in_local = weight.shape
             col_offset = tp_rank * in_local if module.logra_parallel == "row" else 0
             rows = _canonical_rows(module, canonical, out_local, tp_rank, tp_size, gated)
+            module_ids, module_names = hf_modules_of_rows(arch, canonical)
             weight.requires_grad_(False)
             slot = SketchSlot(name=canonical, parallel=module.logra_parallel,
                               global_rows=rows, col_offset=col_offset,
+                              module_rows=module_ids[rows].to(weight.device),
+                              module_names=module_names,
                               sketch=torch.empty(0),  # bound to a buffer view below
                               duplicate=duplicate,
                               gated_halves=gated and canonical.endswith("mlp.linear_fc1.weight"))
@@ -147,6 +187,7 @@ class SketchSet:
     def zero(self) -> None:
         for buffer in self.buffers.values():
             buffer.zero_()
+        self.num_tokens = 1.0
 
     def reduce(self, num_tokens: torch.Tensor | None) -> None:
         """TP-sum row-parallel sketches, DP-sum all, sum a tied embedding's two copies over the
@@ -164,8 +205,13 @@ class SketchSet:
         if num_tokens is not None:
             count = float(num_tokens)
             if count > 0:
-                for buffer in self.buffers.values():
-                    buffer.div_(count)
+                self.divide(count)
+                self.num_tokens = count
+
+    def divide(self, divisor: float) -> None:
+        """In place: every sketch divided by ``divisor``."""
+        for buffer in self.buffers.values():
+            buffer.div_(divisor)
 
     def sketch_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())

@@ -13,6 +13,12 @@ finally applies ``old + alpha * (new - old)`` to the main params (copied to the 
 params and all-gathered over DP as megatron's own step does). With alpha = 1 the result
 equals megatron's step up to one fp32 rounding.
 
+The tangent of a bf16 param is its fp32 main param's change (placed by megatron's own
+main -> model mapping: ``float16_groups`` / ``fp32_from_float16_groups``, or the
+distributed optimizer's shard ranges, summed over DP), in the param's dtype. The bf16
+params' own difference would be wrong: a realistic step (lr 1e-6) is far below bf16's
+resolution, so most elements do not change and the rest move by one ulp.
+
 Memory while stepping: one fp32 copy of the main params this rank steps and one copy
 of the stepped model params in their dtype (under LoGRA only the small unsketched ones).
 """
@@ -29,6 +35,21 @@ def _sub_optimizers(optimizer) -> list:
 
 def _main_params(sub) -> list[torch.Tensor]:
     return [p for group in sub.optimizer.param_groups for p in group["params"]]
+
+
+def _fp32_copies(sub) -> dict[int, tuple[torch.nn.Parameter, int, int]]:
+    """id(main param) -> (model param, start, end): the mains that are fp32 copies of a
+    lower-precision model param, and which flat range of it each holds."""
+    if isinstance(sub, DistributedOptimizer):
+        out = {}
+        for models, mains in zip(sub.model_float16_groups, sub.shard_fp32_from_float16_groups):
+            for param, main in zip(models, mains):
+                owned = sub._get_model_param_range_map(param)["param"]
+                out[id(main)] = (param, owned.start, owned.end)
+        return out
+    pairs = zip(getattr(sub, "float16_groups", []), getattr(sub, "fp32_from_float16_groups", []))
+    return {id(main): (param, 0, param.numel())
+            for models, mains in pairs for param, main in zip(models, mains)}
 
 
 class StepScaler:
@@ -57,13 +78,40 @@ class StepScaler:
         for mains, deltas in zip(self.mains, self.main_deltas):
             for m, d in zip(mains, deltas):
                 d.sub_(m).neg_()  # new - old
+        from_mains = {}
+        for sub, mains, deltas in zip(self.subs, self.mains, self.main_deltas):
+            from_mains.update(self._tangents_from_mains(sub, mains, deltas))
         out = {}
         for name, p in self.model_params.items():
             old = self.old_model[name]
-            out[name] = p.detach() - old
+            out[name] = from_mains[id(p)] if id(p) in from_mains else p.detach() - old
             p.copy_(old)
         self.old_model = {}
         return out
+
+    @staticmethod
+    def _tangents_from_mains(sub, mains, deltas) -> dict[int, torch.Tensor]:
+        """id(model param) -> its tangent, for the params ``sub`` keeps fp32 copies of: the
+        copies' changes placed in one flat buffer of the params' dtype, summed over DP when
+        each rank owns a shard (every element is owned once, so the sum is exact)."""
+        copies = _fp32_copies(sub)
+        params = list({id(p): p for p, _, _ in copies.values()}.values())
+        if not params:
+            return {}
+        offsets, total = {}, 0
+        for p in params:
+            offsets[id(p)], total = total, total + p.numel()
+        flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        for main, delta in zip(mains, deltas):
+            if id(main) in copies:
+                param, start, end = copies[id(main)]
+                base = offsets[id(param)]
+                flat[base + start:base + end] = delta.view(-1).to(flat.dtype)
+        if isinstance(sub, DistributedOptimizer) and \
+                torch.distributed.get_world_size(sub.data_parallel_group) > 1:
+            torch.distributed.all_reduce(flat, group=sub.data_parallel_group)
+        return {id(p): flat[offsets[id(p)]:offsets[id(p)] + p.numel()].view_as(p)
+                for p in params}
 
     @torch.no_grad()
     def apply(self, alpha: float) -> None:

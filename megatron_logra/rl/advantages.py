@@ -23,27 +23,36 @@ def grpo_advantages(rewards: torch.Tensor, *, scale_by_std: bool = True,
     return centred / (rewards.std(dim=1, unbiased=False, keepdim=True) + eps)
 
 
+def reinforce_outcomes(rewards: torch.Tensor, failure_reward: float | None) -> torch.Tensor:
+    """The paper's REINFORCE outcomes: 1 where the reward is >= 1 (a correct answer), else
+    ``failure_reward`` (-0.01 in the reference). None: the rewards as they are (partial
+    credit keeps its values)."""
+    if failure_reward is None:
+        return rewards.float()
+    return torch.where(rewards >= 1.0, torch.ones_like(rewards, dtype=torch.float32),
+                       torch.full_like(rewards, failure_reward, dtype=torch.float32))
+
+
 @dataclass
 class RunningBaseline:
-    """REINFORCE with a running baseline b: advantage = r - b (b before this batch), then
-    b <- decay b + (1 - decay) mean(r). The first batch sets b to its mean first."""
+    """REINFORCE with a running baseline from past batches only (the reference's
+    ``RunningBaselineAdvantageEstimator``): advantage = outcome - b, with b before this
+    batch (0 at the start), then b <- decay b + (1 - decay) mean(outcomes)."""
 
     decay: float = 0.9
-    value: float | None = None
+    value: float = 0.0
 
-    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        mean = float(rewards.float().mean())
-        if self.value is None:
-            self.value = mean
-        adv = rewards - self.value
-        self.value = self.decay * self.value + (1.0 - self.decay) * mean
+    def advantages(self, outcomes: torch.Tensor) -> torch.Tensor:
+        adv = outcomes.float() - self.value
+        self.value = self.decay * self.value + (1.0 - self.decay) * float(outcomes.float().mean())
         return adv
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "value": self.value}
 
     def load_state_dict(self, state: dict) -> None:
-        self.decay, self.value = float(state["decay"]), state["value"]
+        # checkpoints of the earlier baseline hold None before their first batch
+        self.decay, self.value = float(state["decay"]), float(state["value"] or 0.0)
 
 
 def truncated_importance_weights(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,

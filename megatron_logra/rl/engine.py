@@ -75,6 +75,7 @@ class SampleRequest:
     seed: int  # one request per sample, each seeded: reproducible whatever the batch
     max_new_tokens: int
     temperature: float
+    top_p: float = 1.0  # nucleus sampling (evaluations; training samples the full softmax)
 
 
 def _serve(conn, cfg: EngineConfig) -> None:
@@ -151,7 +152,7 @@ def _generate(llm, requests: list[SampleRequest]) -> list[Completion]:
     _require_committed(llm)
     prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
     params = [SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature,
-                             seed=r.seed, logprobs=0) for r in requests]
+                             top_p=r.top_p, seed=r.seed, logprobs=0) for r in requests]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     done = []
     for out in outputs:

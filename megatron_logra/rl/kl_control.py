@@ -7,13 +7,15 @@ of the tempered logits along the update:
 
 so KL(p(theta) || p(theta + alpha dtheta)) ~= alpha^2 K. The step scale is
 alpha = min(alpha_max, sqrt(budget / K)) (1 when K = 0). The budget follows a cosine
-from ``budget_start`` to ``budget_end`` over ``budget_steps`` updates, minus the
-rollout/trainer mismatch m (m <- 0.7 m + 0.3 max(0, mean(gen - prev))), never below
-half the scheduled budget.
+from ``budget_start`` (update 0) to ``budget_end`` (reached at update ``budget_steps``
+- 1, as the reference's schedule), minus the rollout/trainer mismatch m
+(m <- 0.7 m + 0.3 max(0, mean(gen - prev))), never below half the scheduled budget.
 
 The logits are vocab-parallel ([n, V/TP] per TP rank): every sum over the vocabulary is
 a local sum all-reduced over ``tp_group`` (None: one rank holds the whole vocabulary).
-Padded vocabulary entries (global index >= ``vocab_size``) are excluded.
+Padded vocabulary entries (global index >= ``vocab_size``) are excluded. K and the
+realized KL are computed in fp64, ``CHUNK_TOKENS`` tokens at a time (the [n, V] fp64
+temporaries of a 4096-token probe would not fit otherwise).
 """
 
 from __future__ import annotations
@@ -27,6 +29,18 @@ import torch.distributed as dist
 from megatron_logra.config import KLControlConfig
 
 
+CHUNK_TOKENS = 256
+
+
+def _chunked(per_token, *tensors: torch.Tensor) -> torch.Tensor:
+    """``per_token`` over [n, ...] tensors, CHUNK_TOKENS rows at a time -> [n] fp64."""
+    n = tensors[0].shape[0]
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float64, device=tensors[0].device)
+    return torch.cat([per_token(*(t[i:i + CHUNK_TOKENS] for t in tensors))
+                      for i in range(0, n, CHUNK_TOKENS)])
+
+
 def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
@@ -35,8 +49,8 @@ def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 def _tempered(logits: torch.Tensor, vocab_size: int, vocab_start: int,
               temperature: float) -> torch.Tensor:
-    """fp32 z / T [n, V_local] with padded entries at -inf."""
-    z = logits.float() / temperature
+    """fp64 z / T [n, V_local] with padded entries at -inf."""
+    z = logits.double() / temperature
     pad = torch.arange(vocab_start, vocab_start + z.shape[-1], device=z.device) >= vocab_size
     return z.masked_fill(pad, float("-inf")) if bool(pad.any()) else z
 
@@ -50,23 +64,30 @@ def _log_softmax(z: torch.Tensor, group) -> torch.Tensor:
 
 def fisher_quadratic(logits: torch.Tensor, tangent: torch.Tensor, *, temperature: float,
                      vocab_size: int, vocab_start: int = 0, tp_group=None) -> torch.Tensor:
-    """K per token [n] from logits and their tangent [n, V_local] (this TP rank's vocab
-    slice, starting at global index ``vocab_start``)."""
-    logp = _log_softmax(_tempered(logits, vocab_size, vocab_start, temperature), tp_group)
-    p = torch.exp(logp)
-    d = tangent.float() / temperature
-    mean = _all_reduce((p * d).sum(-1, keepdim=True), tp_group)
-    return 0.5 * _all_reduce((p * (d - mean) ** 2).sum(-1), tp_group)
+    """K per token [n] (fp64) from logits and their tangent [n, V_local] (this TP rank's
+    vocab slice, starting at global index ``vocab_start``)."""
+    def per_token(z: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
+        logp = _log_softmax(_tempered(z, vocab_size, vocab_start, temperature), tp_group)
+        p = torch.exp(logp)
+        d = dz.double() / temperature
+        mean = _all_reduce((p * d).sum(-1, keepdim=True), tp_group)
+        return 0.5 * _all_reduce((p * (d - mean) ** 2).sum(-1), tp_group)
+
+    return _chunked(per_token, logits, tangent)
 
 
 def token_kl(old_logits: torch.Tensor, new_logits: torch.Tensor, *, temperature: float,
              vocab_size: int, vocab_start: int = 0, tp_group=None) -> torch.Tensor:
-    """KL(p_old || p_new) per token [n] at temperature T, from vocab-parallel logits."""
-    old = _log_softmax(_tempered(old_logits, vocab_size, vocab_start, temperature), tp_group)
-    new = _log_softmax(_tempered(new_logits, vocab_size, vocab_start, temperature), tp_group)
-    p = torch.exp(old)
-    terms = torch.where(p > 0, p * (old - new), torch.zeros_like(p))
-    return _all_reduce(terms.sum(-1), tp_group)
+    """KL(p_old || p_new) per token [n] (fp64) at temperature T, from vocab-parallel
+    logits."""
+    def per_token(z_old: torch.Tensor, z_new: torch.Tensor) -> torch.Tensor:
+        old = _log_softmax(_tempered(z_old, vocab_size, vocab_start, temperature), tp_group)
+        new = _log_softmax(_tempered(z_new, vocab_size, vocab_start, temperature), tp_group)
+        p = torch.exp(old)
+        terms = torch.where(p > 0, p * (old - new), torch.zeros_like(p))
+        return _all_reduce(terms.sum(-1), tp_group)
+
+    return _chunked(per_token, old_logits, new_logits)
 
 
 def step_scale(k: float, budget: float, alpha_max: float) -> float:
@@ -81,8 +102,9 @@ def step_scale(k: float, budget: float, alpha_max: float) -> float:
 
 
 def scheduled_budget(cfg: KLControlConfig, update: int) -> float:
-    """The cosine budget at ``update`` (0-based): budget_start -> budget_end over budget_steps."""
-    frac = min(update, cfg.budget_steps) / max(cfg.budget_steps, 1)
+    """The cosine budget at ``update`` (0-based): budget_start at update 0, budget_end from
+    update budget_steps - 1 on (the reference's ``scheduled_budget``)."""
+    frac = min(update / max(cfg.budget_steps - 1, 1), 1.0)
     return cfg.budget_end + 0.5 * (cfg.budget_start - cfg.budget_end) * (1 + math.cos(math.pi * frac))
 
 

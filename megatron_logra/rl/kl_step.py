@@ -2,12 +2,13 @@
 
 Per update: the rollout/trainer mismatch of this batch updates m and the budget; the
 optimizer steps held back (``training/scaled_step``); one forward-mode pass on the
-probe responses (``--kl-probe-responses`` per DP rank, their generated positions, at
-most ``--kl-probe-max-tokens`` of them: ``cap_probe``) gives
-K; alpha = min(alpha_max, sqrt(budget / K)) scales the update; a plain forward on the
-same probe tokens afterwards gives the realized KL(old || new). Every rank gets the
-same K and alpha: the per-token sums are all-reduced over the world (only the last
-stage contributes; its TP peers hold equal sums, so the total is divided by TP).
+probe responses (the first ``--kl-probe-responses`` of each DP rank, each cut at
+``--kl-probe-max-tokens`` tokens including its prompt: ``cap_probe``; their generated
+positions) gives K; alpha = min(alpha_max, sqrt(budget / K)) scales the update; a plain
+forward on the same probe tokens afterwards gives the realized KL(old || new). Every
+rank gets the same K and alpha: the per-token sums are all-reduced over the world (only
+the last stage contributes; its TP peers hold equal sums, so the total is divided by
+TP). A probe without any generated position is an error, never an uncontrolled step.
 """
 
 from __future__ import annotations
@@ -23,27 +24,32 @@ from megatron_logra.training.scaled_step import scaled_optimizer_step
 from megatron_logra.training.tangent_forward import UpdateTangents, logits_with_tangent
 
 
-def _global_mean(values: torch.Tensor | None) -> float:
-    """Mean of per-token values [n] held by the last stage of every DP group."""
+def _global_mean(values: torch.Tensor | None) -> tuple[float, int]:
+    """(mean, count) of per-token values [n] held by the last stage of every DP group."""
     total = torch.zeros(2, dtype=torch.float64, device=current_device())
     if values is not None:
         total[0], total[1] = values.double().sum(), values.numel()
     dist.all_reduce(total)
     total /= parallel_state.get_tensor_model_parallel_world_size()
-    return float(total[0] / total[1]) if total[1] > 0 else 0.0
+    count = int(round(float(total[1])))
+    return (float(total[0] / total[1]) if count else 0.0), count
 
 
 def cap_probe(probe: dict[str, torch.Tensor], max_tokens: int) -> dict[str, torch.Tensor]:
-    """The probe cut to its first ``max_tokens`` response positions (row-major): later
-    positions leave ``loss_mask``, and rows and trailing columns with none left are dropped
-    (causal: the kept positions' logits do not change). Tensors [b] keep their kept rows,
-    [b, s] are cut to [b', s'], attention_mask [b, 1, s, s] to [b', 1, s', s']."""
+    """Each probe response cut at ``max_tokens`` tokens, prompt included (the reference's
+    cap): a position stays in ``loss_mask`` only if the token it predicts is among the
+    first ``max_tokens``. Trailing columns and rows with no position left are dropped
+    (causal: the kept positions' logits do not change; a probe left empty keeps its first
+    row, fully masked). Tensors [b] keep their kept rows, [b, s] are cut to [b', s'],
+    attention_mask [b, 1, s, s] to [b', 1, s', s']."""
     mask = probe["loss_mask"] > 0
-    if int(mask.sum()) <= max_tokens:
+    kept = mask & (torch.arange(mask.shape[1], device=mask.device) < max_tokens - 1)[None, :]
+    if bool(torch.equal(kept, mask)):
         return probe
-    kept = mask & (mask.flatten().cumsum(0) <= max_tokens).view_as(mask)
     rows = kept.any(dim=1).nonzero().squeeze(1)
-    length = int(kept.any(dim=0).nonzero().max()) + 1
+    length = int(kept.any(dim=0).nonzero().max()) + 1 if rows.numel() else 1
+    if not rows.numel():
+        rows = torch.zeros(1, dtype=torch.long)
     out = {}
     for key, t in probe.items():
         t = t[rows.to(t.device)]
@@ -78,7 +84,11 @@ class PredictedKLStep:
             self._old_logits = logits[mask]
             values = kl_control.fisher_quadratic(self._old_logits, tangent[mask],
                                                  **self._vocab_kwargs(logits.shape[-1]))
-        return _global_mean(values)
+        k, count = _global_mean(values)
+        if count == 0:
+            raise RuntimeError("the KL probe holds no generated position: every probe "
+                               "response's prompt fills --kl-probe-max-tokens; raise it")
+        return k
 
     def realized_kl(self, model, probe: dict[str, torch.Tensor]) -> float:
         """KL(old || new) on the probe's response tokens after the step."""
@@ -89,7 +99,7 @@ class PredictedKLStep:
             values = kl_control.token_kl(self._old_logits, new,
                                          **self._vocab_kwargs(new.shape[-1]))
         self._old_logits = None
-        return _global_mean(values)
+        return _global_mean(values)[0]
 
     def step(self, objs, update: int, probe: dict[str, torch.Tensor],
              mismatch: float | None) -> tuple[bool, float | None, dict]:

@@ -225,7 +225,8 @@ class RLRun:
             if rl.algorithm == "grpo":
                 a = adv.grpo_advantages(r)
             else:
-                a = self.baseline.advantages(r)
+                failure = rl.failure_reward if rl.reward == "binary" else None
+                a = self.baseline.advantages(adv.reinforce_outcomes(r, failure))
             samples = [RolloutSample(p.ids, c.token_ids, c.logprobs, float(a.flatten()[k]),
                                      truncated=c.truncated)
                        for k, (p, c) in enumerate(zip(
@@ -283,7 +284,8 @@ class RLRun:
                          optimizer_step=optimizer_step)
         synchronize()
         n = max(sums["tokens"], 1.0)
-        record = {"loss": out.loss, "tokens": out.tokens, "grad_norm": out.grad_norm, **kl_record,
+        record = {"loss": out.loss, "lr": out.lr, "tokens": out.tokens,
+                  "grad_norm": out.grad_norm, **kl_record,
                   "logprob_mismatch": sums["abs_mismatch_sum"] / n,
                   "tis_weight_mean": sums["tis_weight_sum"] / n,
                   "tis_capped_frac": sums["tis_capped"] / n,
@@ -338,12 +340,11 @@ def _loop(run: RLRun) -> RunResult:
     for update in range(start, t.train_iters):
         t0 = time.perf_counter()
         samples, record = run.rollout_batch(update)
-        lr = objs.optimizer.param_groups[0]["lr"]
         record.update(run.train(samples, update))
         run.version = update + 1
         sync_before = (run.sync.bytes, run.sync.seconds)
         run.push_weights()
-        record.update(step=update + 1, lr=lr, sync_bytes=run.sync.bytes - sync_before[0],
+        record.update(step=update + 1, sync_bytes=run.sync.bytes - sync_before[0],
                       sync_time_s=run.sync.seconds - sync_before[1],
                       sync_transport=run.sync.last_transport,
                       fingerprint_mismatches=run.sync.fingerprint_mismatches,

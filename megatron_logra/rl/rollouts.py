@@ -56,7 +56,7 @@ def score(verifier: Verifier, tokenizer: TextTokenizer, prompts: list[Prompt],
 
 def eval_requests(prompts: list[Prompt], cfg: RLConfig) -> list[SampleRequest]:
     return [SampleRequest(p.ids, sample_seed(cfg.rollout_seed + 7919, 0, i, j),
-                          cfg.max_new_tokens, cfg.temperature)
+                          cfg.max_new_tokens, cfg.eval_temperature, cfg.eval_top_p)
             for i, p in enumerate(prompts) for j in range(cfg.eval_samples)]
 
 

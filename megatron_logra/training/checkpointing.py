@@ -64,6 +64,8 @@ def _megatron_optimizers(optimizer) -> list:
     """The megatron optimizers inside a ChainedOptimizer (or the optimizer itself); LoGRA's
     optimizer contributes the dense one it wraps."""
     optimizer = getattr(optimizer, "dense", optimizer)
+    if optimizer is None:  # LoGRA with every unsketched parameter frozen
+        return []
     return getattr(optimizer, "chained_optimizers", None) or [optimizer]
 
 

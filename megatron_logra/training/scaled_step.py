@@ -1,8 +1,8 @@
 """An optimizer step whose size is chosen from its own direction (predicted-KL control).
 
 ``scaled_optimizer_step(optimizer, model, choose_alpha)``:
-1. megatron's step of the dense params, held back (``StepScaler``): their update becomes
-   the dense tangent and the model is returned to the old weights;
+1. megatron's step of the dense params (if any), held back (``StepScaler``): their update
+   becomes the dense tangent and the model is returned to the old weights;
 2. LoGRA: the RowAdam directions D and the factor c are computed, and the sketched
    weights' tangents are -c D A (low rank);
 3. ``alpha = choose_alpha(tangents)`` (a forward-mode pass at the old weights);
@@ -32,27 +32,34 @@ def stepped_params(model_chunks: list) -> dict:
 
 def scaled_optimizer_step(optimizer, model_chunks: list,
                           choose_alpha: ChooseAlpha) -> tuple[bool, float | None, float]:
-    """(update successful, grad norm, alpha); a skipped step (non-finite grads) is alpha 0."""
+    """(update successful, grad norm, alpha); a skipped step (non-finite grads) is alpha 0.
+    LoGRA with frozen unsketched parameters has no dense step: its tangent is low rank only
+    and its grad norm is the sketches' norm."""
     logra = isinstance(optimizer, LograOptimizer)
     dense = optimizer.dense if logra else optimizer
-    scaler = StepScaler(dense, stepped_params(model_chunks))
-    scaler.snapshot()
-    ok, grad_norm, _ = dense.step()
-    if not ok:
-        scaler.discard()
-        return False, grad_norm, 0.0
-    dense_tangents = scaler.tangents()
+    scaler, dense_tangents, grad_norm = None, {}, None
+    if dense is not None:
+        scaler = StepScaler(dense, stepped_params(model_chunks))
+        scaler.snapshot()
+        ok, grad_norm, _ = dense.step()
+        if not ok:
+            scaler.discard()
+            return False, grad_norm, 0.0
+        dense_tangents = scaler.tangents()
     chosen: list[float] = []
 
     def scale(stats: dict | None = None) -> float:
         low_rank = optimizer.low_rank_tangents(stats["c"]) if logra else {}
         alpha = float(choose_alpha(UpdateTangents(dense_tangents, low_rank)))
-        scaler.apply(alpha)
+        if scaler is not None:
+            scaler.apply(alpha)
         chosen.append(alpha)
         return alpha
 
     if logra:
         optimizer.step_sketches(scale)
+        if dense is None:
+            grad_norm = optimizer.last_stats.get("sketch_norm")
     else:
         scale()
     return True, grad_norm, chosen[0]

@@ -2,9 +2,12 @@
 
 LoGRA: the model is built with the sketched layer spec, the ``SketchSet`` takes the
 sketched weights out of autograd *before* DDP is built (so DDP allocates no grad
-buffer for them), megatron's optimizer is built for what still requires grad, and
-``LograOptimizer`` wraps it (with ``--use-distributed-optimizer`` it shards the
-sketched weights' row states and masters over DP by whole rows). Megatron's ``finalize_model_grads`` is followed by the
+buffer for them). The other parameters are frozen too by default (the paper's
+reference: no grad buffers, no optimizer state; the embedding output is made
+differentiable so the backward still runs), or trained by megatron's Adam
+(``--logra-untargeted adam``), which ``LograOptimizer`` then wraps (with
+``--use-distributed-optimizer`` it shards the sketched weights' row states and masters
+over DP by whole rows). Megatron's ``finalize_model_grads`` is followed by the
 sketches' TP/DP reduction and per-token scaling.
 """
 
@@ -22,7 +25,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_logra.config import OptimizerConfig
 from megatron_logra.logra.optimizer import LograOptimizer, RowAdamConfig
-from megatron_logra.logra.sketches import SketchConfig, SketchSet
+from megatron_logra.logra.sketches import SketchConfig, SketchSet, anchor_frozen_embeddings
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.provider import ModelBuildConfig, build_gpt_model
 from megatron_logra.patches import apply_all as apply_megatron_patches
@@ -86,20 +89,27 @@ def build_training_objects(arch: ModelArch, build: ModelBuildConfig, opt: Optimi
         build = replace(build, sketch_targets=opt.logra.targets, use_transformer_engine=False)
     gpt = build_gpt_model(arch, build, seed)
     sketches = None
+    frozen = logra and opt.logra.untargeted == "frozen"
     if logra:
         sketches = SketchSet([gpt], SketchConfig(rank=opt.logra.rank,
                                                  projection=opt.logra.projection,
                                                  refresh_interval=opt.logra.refresh_interval,
-                                                 seed=seed))
+                                                 seed=seed), arch)
+    if frozen:
+        for param in gpt.parameters():
+            param.requires_grad_(False)
+        anchor_frozen_embeddings([gpt])
     ddp = wrap_ddp(gpt, opt.use_distributed_optimizer)
-    optimizer = build_optimizer([ddp], opt, build.bf16)
+    optimizer = None if frozen else build_optimizer([ddp], opt, build.bf16)
     config = gpt.config
     config.finalize_model_grads_func = finalize_model_grads
     if logra:
         optimizer = LograOptimizer(optimizer, sketches, RowAdamConfig(
             beta2=opt.logra.beta2, eps=opt.logra.eps, update_ratio=opt.logra.update_ratio,
             master_weights=opt.logra.master_weights,
-            shard_over_dp=opt.use_distributed_optimizer))
+            norm_restoration=opt.logra.norm_restoration,
+            update_factor_dtype=opt.logra.update_factor_dtype,
+            shard_over_dp=opt.use_distributed_optimizer, lr=opt.lr))
         config.finalize_model_grads_func = partial(_finalize_with_sketches, sketches)
     config.no_sync_func = ddp.no_sync
     config.grad_scale_func = optimizer.scale_loss

@@ -1,4 +1,12 @@
-"""One update: megatron's pipeline schedule over the microbatches, then the optimizer step."""
+"""One update: megatron's pipeline schedule over the microbatches, then the optimizer step.
+
+The learning-rate schedule is advanced *before* the step, so update i (0-based) uses
+megatron's schedule at step i + 1: linear warm-up (i + 1) / W from the first update
+(never a zero-lr first step), then the decay, as the paper's dense baseline
+(warm-up (i+1)/9, cosine to 0.1 x lr over 300 updates: ``--lr-warmup-iters 9
+--lr-decay-iters 300 --lr-decay-style cosine --min-lr 0.1*LR``). A skipped step
+(non-finite grads) takes the schedule back.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ class StepResult:
     tokens: int  # loss tokens in the global batch
     grad_norm: float | None
     update_successful: bool
+    lr: float  # the learning rate this update used
 
 
 LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor], tuple]
@@ -96,6 +105,8 @@ def train_step(objs, microbatches, *, seq_length: int, micro_batch_size: int,
                optimizer_step: OptimizerStep | None = None) -> StepResult:
     """One update. ``reports_out`` (a list) receives the last stage's loss reports."""
     objs.optimizer.zero_grad()
+    objs.scheduler.step(increment=1)
+    lr = float(objs.optimizer.param_groups[0]["lr"])
     reports = forward_backward(objs.model, microbatches, seq_length=seq_length,
                                micro_batch_size=micro_batch_size,
                                vocab_size=objs.arch.vocab_size, loss_fn=loss_fn)
@@ -105,7 +116,8 @@ def train_step(objs, microbatches, *, seq_length: int, micro_batch_size: int,
         ok, grad_norm, _ = objs.optimizer.step()
     else:
         ok, grad_norm = optimizer_step(reports)
-    if ok:
-        objs.scheduler.step(increment=1)
+    if not ok:
+        objs.scheduler.step(increment=-1)
     loss, tokens = global_loss(reports)
-    return StepResult(loss, tokens, None if grad_norm is None else float(grad_norm), bool(ok))
+    return StepResult(loss, tokens, None if grad_norm is None else float(grad_norm), bool(ok),
+                      lr)

@@ -124,11 +124,10 @@ def run_sft(cfg: RunConfig) -> RunResult:
     t = cfg.training
     for step in range(start_step, t.train_iters):
         t0 = time.perf_counter()
-        lr = objs.optimizer.param_groups[0]["lr"]
         out = train_step(objs, batches.microbatches(step, dp_rank, dp_size),
                          seq_length=t.seq_length, micro_batch_size=t.micro_batch_size)
         synchronize()
-        record = {"step": step + 1, "loss": out.loss, "lr": lr, "grad_norm": out.grad_norm,
+        record = {"step": step + 1, "loss": out.loss, "lr": out.lr, "grad_norm": out.grad_norm,
                   "tokens": out.tokens, "step_time_s": time.perf_counter() - t0,
                   "peak_mem_bytes": peak_memory_bytes(),
                   "update_successful": out.update_successful}

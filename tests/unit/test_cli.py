@@ -21,6 +21,8 @@ EXPECTED_FLAGS = {
     "--use-distributed-optimizer", "--weight-decay", "-h", "--help",
     "--logra-rank", "--logra-projection", "--logra-refresh-interval", "--logra-targets",
     "--logra-beta2", "--logra-eps", "--logra-update-ratio", "--logra-master-weights",
+    "--logra-norm-restoration", "--no-logra-norm-restoration", "--logra-untargeted",
+    "--logra-update-factor-dtype", "--failure-reward", "--eval-temperature", "--eval-top-p",
     "--algorithm", "--prompts-per-step", "--responses-per-prompt", "--max-new-tokens",
     "--temperature", "--rollout-seed", "--tis-cap", "--baseline-decay", "--reward",
     "--verifier-timeout", "--eval-interval", "--eval-prompts", "--eval-samples",
@@ -69,6 +71,20 @@ def test_valid_command_line_gives_frozen_config():
     (["--stage", "rl", "--kl-probe-max-tokens", "0"], 1, "--kl-probe-max-tokens must be >= 1"),
     (["--stage", "rl", "--responses-per-prompt", "1"], 1, "grpo needs --responses-per-prompt >= 2"),
     (["--stage", "rl", "--weight-sync", "sketch-delta"], 1, "it needs --optimizer logra"),
+    # sketch-delta is exact only in bf16 SR mode into a bf16 engine with Rademacher A
+    (["--stage", "rl", "--optimizer", "logra", "--weight-sync", "sketch-delta",
+      "--rollout-dtype", "bfloat16", "--logra-master-weights", "none"], 1,
+     r"missing: --bf16 \(the trainer's weights are fp32\)\. Add them"),
+    (["--stage", "rl", "--optimizer", "logra", "--weight-sync", "sketch-delta", "--bf16",
+      "--rollout-dtype", "bfloat16"], 1, r"missing: --logra-master-weights none \(an fp32 master"),
+    (["--stage", "rl", "--optimizer", "logra", "--weight-sync", "sketch-delta", "--bf16",
+      "--logra-master-weights", "none"], 1, r"missing: --rollout-dtype bfloat16 \(an fp32 engine"),
+    (["--stage", "rl", "--optimizer", "logra", "--weight-sync", "sketch-delta", "--bf16",
+      "--logra-master-weights", "none", "--rollout-dtype", "bfloat16", "--logra-projection",
+      "gaussian"], 1, r"missing: --logra-projection rademacher"),
+    (["--stage", "rl", "--eval-top-p", "0"], 1, "--eval-top-p"),
+    (["--optimizer", "logra", "--bf16", "--logra-master-weights", "none",
+      "--logra-update-factor-dtype", "float32"], 1, "applies bf16 factors"),
     (["--stage", "rl", "--weight-sync-anchor-interval", "-1"], 1, "must be >= 0"),
     (["--stage", "rl", "--temperature", "0"], 1, "--temperature 0.0 must be > 0"),
     (["--stage", "rl", "--max-new-tokens", "300", "--seq-length", "256"], 1, "raise --seq-length"),
@@ -100,6 +116,32 @@ def test_rl_flags_give_their_config_and_the_global_batch():
     assert cfg.training.global_batch_size == 24
     assert (cfg.rl.prompts_per_step, cfg.rl.responses_per_prompt, cfg.rl.tis_cap) == (4, 6, None)
     assert cfg.rl.kl.mode == "none" and cfg.rl.algorithm == "reinforce"
+
+
+def test_defaults_are_the_papers_recipe():
+    """--optimizer logra is the reference's method unless told otherwise; evaluations sample
+    at 0.7 / 0.7; REINFORCE's failure outcome is -0.01; sketch-delta accepted when exact."""
+    cfg = parse_run_config(["--stage", "rl", "--optimizer", "logra", "--algorithm",
+                            "reinforce", "--responses-per-prompt", "1"], world_size=1)
+    lg = cfg.optimizer.logra
+    assert (lg.norm_restoration, lg.untargeted, lg.update_factor_dtype) == (
+        True, "frozen", "bfloat16")
+    assert lg.targets == ("qkv", "proj", "fc1", "fc2") and lg.rank == 256
+    assert lg.update_ratio == 6e-5 and (lg.beta2, lg.eps) == (0.95, 1e-8)
+    assert (cfg.rl.eval_temperature, cfg.rl.eval_top_p, cfg.rl.failure_reward) == (0.7, 0.7, -0.01)
+    assert (cfg.rl.kl.budget_start, cfg.rl.kl.budget_end, cfg.rl.kl.budget_steps,
+            cfg.rl.kl.alpha_max, cfg.rl.kl.probe_responses, cfg.rl.kl.probe_max_tokens) == (
+        2e-4, 2e-5, 300, 3.0, 2, 4096)
+    off = parse_run_config(["--optimizer", "logra", "--no-logra-norm-restoration",
+                            "--logra-update-ratio", "0",
+                            "--logra-untargeted", "adam", "--logra-update-factor-dtype",
+                            "float32"], world_size=1).optimizer.logra
+    assert (off.norm_restoration, off.untargeted, off.update_factor_dtype, off.update_ratio) == (
+        False, "adam", "float32", None)
+    exact = parse_run_config(["--stage", "rl", "--optimizer", "logra", "--weight-sync",
+                              "sketch-delta", "--bf16", "--logra-master-weights", "none",
+                              "--rollout-dtype", "bfloat16"], world_size=1)
+    assert exact.rl.weight_sync == "sketch-delta"
 
 
 def test_logra_flags_give_its_config():

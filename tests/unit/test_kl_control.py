@@ -36,7 +36,7 @@ from megatron_logra.runtime.parallel import ParallelConfig, initialize
 from megatron_logra.training.scaled_step import scaled_optimizer_step
 from megatron_logra.training.setup import build_training_objects
 from megatron_logra.training.step import forward_backward
-from megatron_logra.training.tangent_forward import logits_with_tangent
+from megatron_logra.training.tangent_forward import UpdateTangents, logits_with_tangent
 
 SEED = 3
 
@@ -76,10 +76,14 @@ def test_step_scale_budget_and_mismatch():
         with pytest.raises(FloatingPointError, match="quadratic form"):
             kl_control.step_scale(bad, 1e-4, 3.0)
     cfg = KLControlConfig(mode="predicted", budget_start=2e-4, budget_end=2e-5, budget_steps=300)
+    # the reference's schedule: 2e-4 at update 0, the final 2e-5 reached at update H - 1
     assert kl_control.scheduled_budget(cfg, 0) == pytest.approx(2e-4)
-    assert kl_control.scheduled_budget(cfg, 150) == pytest.approx(1.1e-4)
-    assert kl_control.scheduled_budget(cfg, 300) == kl_control.scheduled_budget(cfg, 900) \
+    assert kl_control.scheduled_budget(cfg, 299) == kl_control.scheduled_budget(cfg, 900) \
         == pytest.approx(2e-5)
+    assert kl_control.scheduled_budget(cfg, 298) > 2e-5 * 1.0001
+    want = 2e-5 + 0.5 * 1.8e-4 * (1 + math.cos(math.pi * 150 / 299))
+    assert kl_control.scheduled_budget(cfg, 150) == pytest.approx(want, rel=1e-12)
+    assert abs(want - 1.1e-4) > 1e-7  # an H (not H - 1) schedule would give 1.1e-4 here
     ctl = kl_control.KLController(cfg)
     ctl.observe_mismatch(-0.5)  # negative mismatch counts as 0
     assert ctl.mismatch == 0.0 and ctl.budget(0) == pytest.approx(2e-4)
@@ -115,10 +119,21 @@ def _batch(vocab: int) -> list[dict]:
     return out
 
 
-def _objects(arch, name: str, bf16: bool = False):
-    logra = LograConfig(rank=8, targets=TARGETS)
+# "logra": the paper's (frozen unsketched params, restoration, norm ratio; an fp32 factor so
+# the applied step is exactly alpha times the tangent's direction); "logra_adam": plain
+# RowAdam at --lr beside megatron's Adam for the unsketched params (dense + low-rank tangents)
+LOGRA = {"logra": LograConfig(rank=8, targets=TARGETS, update_ratio=3e-3,
+                              update_factor_dtype="float32"),
+         "logra_adam": LograConfig(rank=8, targets=TARGETS, update_ratio=None,
+                                   untargeted="adam", norm_restoration=False,
+                                   update_factor_dtype="float32")}
+
+
+def _objects(arch, name: str, bf16: bool = False, lr: float = 3e-3, logra=None):
+    logra = logra or LOGRA.get(name, LograConfig())
     return build_training_objects(arch, ModelBuildConfig(bf16=bf16),
-                                  OptimizerConfig(name=name, lr=3e-3, clip_grad=0.0, logra=logra),
+                                  OptimizerConfig(name="adam" if name == "adam" else "logra",
+                                                  lr=lr, clip_grad=0.0, logra=logra),
                                   seed=SEED, train_iters=4)
 
 
@@ -157,33 +172,37 @@ def _perturbed_logits(objs, probe, tangents, eps: float) -> torch.Tensor:
     return logits
 
 
-def test_cap_probe_keeps_the_first_response_positions():
+def test_cap_probe_cuts_each_response_at_max_tokens_prompt_included():
+    """The reference's probe: each response cut at max_tokens tokens including its prompt;
+    a kept position predicts a token among the first max_tokens (position t predicts
+    token t + 1, so t < max_tokens - 1)."""
     g = torch.Generator().manual_seed(0)
     b, s = 4, 10
     mask = torch.zeros(b, s)
-    mask[0, 3:7] = 1.0  # 4 positions
-    mask[1, 5:10] = 1.0  # 5
-    mask[3, 2:9] = 1.0  # 7; row 2 has none
+    mask[0, 3:7] = 1.0  # prompt of 4 tokens, 4 generated
+    mask[1, 5:10] = 1.0  # prompt of 6, 5 generated
+    mask[3, 2:9] = 1.0  # prompt of 3, 7 generated; row 2 has none
     probe = {"tokens": torch.randint(0, 50, (b, s), generator=g), "loss_mask": mask,
              "labels": torch.randint(0, 50, (b, s), generator=g),
              "position_ids": torch.arange(s).expand(b, -1),
              "attention_mask": torch.triu(torch.ones(s, s, dtype=torch.bool), 1).expand(b, 1, s, s),
              "advantages": torch.arange(b, dtype=torch.float32)}
-    assert cap_probe(probe, 16) is probe  # 16 positions: nothing to cut
-    out = cap_probe(probe, 6)  # row 0's four, then row 1's first two (columns 5, 6)
-    assert out["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1]]
-    assert torch.equal(out["tokens"], probe["tokens"][:2, :7])
-    assert torch.equal(out["labels"], probe["labels"][:2, :7])
-    assert torch.equal(out["position_ids"], probe["position_ids"][:2, :7])
-    assert torch.equal(out["attention_mask"], probe["attention_mask"][:2, :, :7, :7])
-    assert out["advantages"].tolist() == [0.0, 1.0]
-    out = cap_probe(probe, 12)  # rows 0, 1 whole, then row 3's first three (row 2 dropped)
-    assert out["loss_mask"].sum() == 12 and out["advantages"].tolist() == [0.0, 1.0, 3.0]
-    assert out["loss_mask"][2].tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 0, 0]
-    assert out["tokens"].shape == (3, 10)
+    assert cap_probe(probe, 11) is probe  # every sequence fits: nothing to cut
+    out = cap_probe(probe, 7)  # positions t <= 5 of each row; row 2 has none, dropped
+    assert out["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 1],
+                                         [0, 0, 1, 1, 1, 1]]
+    assert torch.equal(out["tokens"], probe["tokens"][[0, 1, 3], :6])
+    assert torch.equal(out["labels"], probe["labels"][[0, 1, 3], :6])
+    assert torch.equal(out["position_ids"], probe["position_ids"][[0, 1, 3], :6])
+    assert torch.equal(out["attention_mask"], probe["attention_mask"][[0, 1, 3], :, :6, :6])
+    assert out["advantages"].tolist() == [0.0, 1.0, 3.0]
+    out = cap_probe(probe, 6)  # row 1's prompt fills it: only rows 0 and 3 keep positions
+    assert out["advantages"].tolist() == [0.0, 3.0] and out["loss_mask"].sum() == 5
+    empty = cap_probe(probe, 2)  # no generated position left anywhere: one masked row
+    assert empty["loss_mask"].sum() == 0 and empty["tokens"].shape == (1, 1)
 
 
-@pytest.mark.parametrize("name", ["adam", "logra"])
+@pytest.mark.parametrize("name", ["adam", "logra", "logra_adam"])
 def test_tangent_matches_finite_difference_and_step_is_scaled(arch_dir, name):
     arch = load_arch(arch_dir)
     objs = _objects(arch, name)
@@ -198,17 +217,18 @@ def test_tangent_matches_finite_difference_and_step_is_scaled(arch_dir, name):
     alpha = 0.05  # KL ~ 1e-3 here: second order dominates
 
     def choose_alpha(tangents):
-        if name == "logra":
-            assert len(tangents.low_rank) == 4 * 4 + 1 and tangents.dense  # + norms, biases
+        if name != "adam":  # every sketched weight; + norms, biases beside Adam
+            assert len(tangents.low_rank) == 4 * 4 + 1
+            assert bool(tangents.dense) == (name == "logra_adam")
         # the model is at the old weights while alpha is chosen
         for n, p in module.named_parameters():
             assert torch.equal(p, before[n]), n
         seen["k_capped"] = kl.quadratic_form(objs.model, cap_probe(probe, 9), tangents)
         logits, tangent = logits_with_tangent(objs.model, probe, tangents)
         mask = probe["loss_mask"].bool()
-        per_token = kl_control.fisher_quadratic(logits[mask], tangent[mask], temperature=0.8,
-                                                vocab_size=arch.vocab_size)
-        seen["k_first9"] = float(per_token[:9].mean())
+        first9 = mask & (torch.arange(mask.shape[1]) < 8)  # tokens 0..8 of each sequence
+        seen["k_first9"] = float(kl_control.fisher_quadratic(
+            logits[first9], tangent[first9], temperature=0.8, vocab_size=arch.vocab_size).mean())
         eps = 1e-2
         fd = (_perturbed_logits(objs, probe, tangents, eps)
               - _perturbed_logits(objs, probe, tangents, -eps)) / (2 * eps)
@@ -220,7 +240,7 @@ def test_tangent_matches_finite_difference_and_step_is_scaled(arch_dir, name):
         seen["dense"] = {n: t.clone() for n, t in tangents.dense.items()}
         seen["low_rank"] = {id(s): -t.coefficient * (t.d @ t.projection)
                             for s, t in zip(objs.optimizer.sketches.slots,
-                                            tangents.low_rank.values())} if name == "logra" else {}
+                                            tangents.low_rank.values())} if name != "adam" else {}
         return alpha
 
     ok, _, got_alpha = scaled_optimizer_step(objs.optimizer, objs.model, choose_alpha)
@@ -235,7 +255,7 @@ def test_tangent_matches_finite_difference_and_step_is_scaled(arch_dir, name):
     for n, t in seen["dense"].items():
         torch.testing.assert_close(after[n].detach() - before[n], alpha * t, rtol=1e-4,
                                    atol=1e-7)
-    if name == "logra":
+    if name != "adam":
         for slot, p in zip(objs.optimizer.sketches.slots, objs.optimizer.sketches.params):
             n = next(k for k, v in after.items() if v is p)
             torch.testing.assert_close(p.detach() - before[n], alpha * seen["low_rank"][id(slot)],
@@ -253,7 +273,7 @@ def _fp32_copies(objs) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in unwrap(objs.model[0]).named_parameters()}
     dense = getattr(objs.optimizer, "dense", objs.optimizer)
     out = {}
-    for sub in getattr(dense, "chained_optimizers", [dense]):
+    for sub in getattr(dense, "chained_optimizers", [dense] if dense is not None else []):
         for g16, g32 in zip(sub.float16_groups, sub.fp32_from_float16_groups):
             out.update((names[id(p)], m) for p, m in zip(g16, g32))
         out.update((names[id(p)], p) for group in sub.fp32_from_fp32_groups for p in group)
@@ -263,7 +283,7 @@ def _fp32_copies(objs) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("name", ["adam", "logra"])
+@pytest.mark.parametrize("name", ["adam", "logra", "logra_adam"])
 def test_bf16_step_is_scaled_on_the_fp32_copies(arch_dir, name):
     """bf16 params (megatron's Float16 optimizer; LoGRA with fp32 masters): the scaled step
     puts every fp32 copy at old + alpha (new - old), where new is megatron's and RowAdam's
@@ -272,11 +292,16 @@ def test_bf16_step_is_scaled_on_the_fp32_copies(arch_dir, name):
     (bf16 rounding of the applied step adds a little)."""
     arch = load_arch(arch_dir)
     batch = _batch(arch.vocab_size)
-    twin, objs = _objects(arch, name, bf16=True), _objects(arch, name, bf16=True)
+    # steps well above bf16's resolution, so the bf16 model's own KL is alpha^2 K too
+    logra = LograConfig(rank=8, targets=TARGETS, update_ratio=0.1,
+                        update_factor_dtype="float32") if name == "logra" else None
+    twin, objs = (_objects(arch, name, bf16=True, logra=logra) for _ in range(2))
     for o in (twin, objs):
         _step_then_grads(o, batch, arch.vocab_size)
     old = {n: t.detach().clone() for n, t in _fp32_copies(objs).items()}
-    assert len(old) == len(list(unwrap(objs.model[0]).parameters()))
+    stepped = len(objs.optimizer.sketches) if name == "logra" else \
+        len(list(unwrap(objs.model[0]).parameters()))  # the paper's: only sketched ones
+    assert len(old) == stepped
     for n, t in _fp32_copies(twin).items():
         assert torch.equal(t, old[n]), n
     twin.optimizer.step()
@@ -303,3 +328,68 @@ def test_bf16_step_is_scaled_on_the_fp32_copies(arch_dir, name):
         assert torch.equal(params[n].detach(), t.to(params[n].dtype)), n
     realized = kl.realized_kl(objs.model, batch[0])
     assert seen["k"] > 0 and realized == pytest.approx(alpha ** 2 * seen["k"], rel=0.2)
+
+
+def _kl_of_fp32_weights(arch, weights: list[dict[str, torch.Tensor]], probe) -> float:
+    """Mean KL(first || second) on the probe's response tokens of an fp32 model holding
+    each of two full weight sets in turn (by param name)."""
+    twin = _objects(arch, "adam")
+    params = dict(unwrap(twin.model[0]).named_parameters())
+    logits = []
+    for state in weights:
+        with torch.no_grad():
+            for n, t in state.items():
+                params[n].copy_(t)
+        logits.append(logits_with_tangent(twin.model, probe, None)[0][probe["loss_mask"].bool()])
+    return float(kl_control.token_kl(*logits, temperature=0.8,
+                                     vocab_size=arch.vocab_size).mean())
+
+
+@pytest.mark.parametrize("name,lr,logra", [
+    ("adam", 1e-6, None), ("logra", 0.0, LograConfig(rank=8, update_ratio=6e-5))])
+def test_bf16_prediction_at_realistic_step_sizes(arch_dir, name, lr, logra):
+    """bf16 params at the paper's step sizes (dense Adam lr 1e-6, LoGRA norm ratio 6e-5): the
+    step is far below bf16's resolution, so the tangent must come from the fp32 copies.
+    The predicted KL alpha^2 K matches the realized KL of the update those fp32 copies hold
+    (within 20%; measured 0.01% and 0.08%). Taken from the bf16 params' own difference, as
+    before this fix, Adam's K is 9x too small (only elements near zero cross half an ulp).
+    The bf16 model's own per-update KL is not alpha^2 K at such steps: its elements move
+    only when the fp32 copy has drifted half an ulp (lumpy), or, stochastically rounded, by
+    whole ulps whose noise outweighs the step on a model this small (README)."""
+    arch = load_arch(arch_dir)
+    batch = _batch(arch.vocab_size)
+    objs = _objects(arch, name, bf16=True, lr=lr, logra=logra)
+    _step_then_grads(objs, batch, arch.vocab_size)
+    params = dict(unwrap(objs.model[0]).named_parameters())
+
+    def fp32_weights() -> dict[str, torch.Tensor]:
+        state = {n: p.detach().float().clone() for n, p in params.items()}
+        state.update((n, t.detach().clone()) for n, t in _fp32_copies(objs).items())
+        return state
+
+    old = fp32_weights()
+    bf16_old = {n: p.detach().clone() for n, p in params.items()}
+    kl = PredictedKLStep(KLControlConfig(mode="predicted"), temperature=0.8,
+                         vocab_size=arch.vocab_size)
+    seen = {}
+
+    def choose_alpha(tangents):
+        seen["k"] = kl.quadratic_form(objs.model, batch[0], tangents)
+        seen["alpha"] = kl_control.step_scale(seen["k"], 2e-4, 3.0)
+        return seen["alpha"]
+
+    ok, _, _ = scaled_optimizer_step(objs.optimizer, objs.model, choose_alpha)
+    assert ok and seen["k"] > 0
+    predicted = seen["alpha"] ** 2 * seen["k"]
+    realized = _kl_of_fp32_weights(arch, [old, fp32_weights()], batch[0])
+    assert realized == pytest.approx(predicted, rel=0.2), (realized, predicted)
+    if name != "adam":
+        return
+    # Adam: the bf16 params' own difference (the tangent before this fix) predicts another KL
+    bf16_new = {n: p.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(bf16_old[n])
+    diffs = {n: (bf16_new[n].float() - bf16_old[n].float()) / seen["alpha"] for n in params}
+    k_bf16 = kl.quadratic_form(objs.model, batch[0], UpdateTangents(dense=diffs))
+    assert not k_bf16 == pytest.approx(seen["k"], rel=0.5), (k_bf16, seen["k"])

@@ -3,12 +3,17 @@
 Every target is sketched: qkv (with bias), proj, fc1, fc2 and the tied embedding
 matrix, whose sketch sums its lookup and output-layer uses.
 
-The same tiny model (same seed) is built twice: with megatron's dense layers and
-Adam, and with the sketched layers and LoGRA. On one batch:
-* each sketch S equals G A^T with G the dense weight gradient (fp32, rtol 1e-5);
+The same tiny model (same seed) is built three times: with megatron's dense layers and
+Adam; with the sketched layers, plain RowAdam and Adam for the unsketched parameters
+(``--no-logra-norm-restoration --logra-untargeted adam``); and as the paper's LoGRA
+(the defaults: the four layer targets, everything else frozen). On one batch:
+* each sketch S equals G A^T with G the dense weight gradient (fp32, rtol 1e-5), also
+  when every parameter is frozen (the embedding output carries the backward);
 * sketched weights get no gradient anywhere: no .grad, no DDP buffer, no main_grad;
+  frozen ones neither: the paper's LoGRA has no grad buffer and no dense optimizer;
 * one LoGRA update equals W - lr D A (the scheduler's lr) with D from a textbook RowAdam on G A^T, and
-  the unsketched parameters follow torch.optim.Adam (Adam's first step) as before.
+  the unsketched parameters follow torch.optim.Adam (Adam's first step) as before;
+  frozen parameters do not move at all.
 """
 
 from __future__ import annotations
@@ -57,15 +62,20 @@ def setup(tmp_path_factory):
     dense = build_training_objects(arch, build, OptimizerConfig(name="adam", lr=LR, clip_grad=0.0),
                                    seed=SEED, train_iters=10)
     logra_cfg = OptimizerConfig(name="logra", lr=LR, clip_grad=0.0,
-                                logra=LograConfig(rank=RANK, eps=1e-8, targets=TARGETS))
+                                logra=LograConfig(rank=RANK, eps=1e-8, targets=TARGETS,
+                                                  norm_restoration=False, untargeted="adam",
+                                                  update_factor_dtype="float32",
+                                                  update_ratio=None))
     sketched = build_training_objects(arch, build, logra_cfg, seed=SEED, train_iters=10)
+    paper = build_training_objects(arch, build, OptimizerConfig(
+        name="logra", lr=LR, logra=LograConfig(rank=RANK, update_ratio=6e-5)), seed=SEED,
+        train_iters=10)
     batch = _batch(arch.vocab_size)
     kw = dict(seq_length=32, micro_batch_size=2, vocab_size=arch.vocab_size)
-    for objs in (dense, sketched):
+    for objs in (dense, sketched, paper):
         objs.optimizer.zero_grad()
-    forward_backward(dense.model, batch, **kw)
-    forward_backward(sketched.model, batch, **kw)
-    return arch, dense, sketched
+        forward_backward(objs.model, batch, **kw)
+    return arch, dense, sketched, paper
 
 
 def _named(objs) -> dict[str, torch.nn.Parameter]:
@@ -73,7 +83,7 @@ def _named(objs) -> dict[str, torch.nn.Parameter]:
 
 
 def test_every_sketch_equals_the_dense_gradient_times_a_transposed(setup):
-    _, dense, sketched = setup
+    _, dense, sketched, _ = setup
     dense_params = _named(dense)
     slots = sketched.optimizer.sketches.slots
     # qkv, proj, fc1, fc2 per layer (tiny: 4 layers) + the tied embedding (lookup + output)
@@ -88,7 +98,7 @@ def test_every_sketch_equals_the_dense_gradient_times_a_transposed(setup):
 
 
 def test_sketched_weights_get_no_dense_gradient_anywhere(setup):
-    _, dense, sketched = setup
+    _, dense, sketched, _ = setup
     ddp = sketched.model[0]
     buffer_params = {id(p) for buf in ddp.buffers for p in buf.params}
     for weight in sketched.optimizer.sketches.params:
@@ -112,7 +122,7 @@ def test_sketched_weights_get_no_dense_gradient_anywhere(setup):
 
 
 def test_one_logra_update_equals_the_reference(setup):
-    _, dense, sketched = setup
+    _, dense, sketched, _ = setup
     before = {n: p.detach().clone() for n, p in _named(sketched).items()}
     dense_params = _named(dense)
     lr = sketched.optimizer.param_groups[0]["lr"]
@@ -146,10 +156,38 @@ def test_one_logra_update_equals_the_reference(setup):
     assert torch.equal(slot.projection, fresh) and float(slot.sketch.abs().max()) == 0.0
 
 
+def test_papers_logra_freezes_everything_it_does_not_sketch(setup):
+    """Defaults: qkv/proj/fc1/fc2 sketched, the rest frozen (no dense optimizer, no grad
+    buffers). The sketches are still G A^T: the embedding output carries the backward."""
+    _, dense, _, paper = setup
+    opt = paper.optimizer
+    assert opt.dense is None and not paper.model[0].buffers
+    assert not any(p.requires_grad for p in unwrap(paper.model[0]).parameters())
+    assert {s.name.split(".")[-2] for s in opt.sketches.slots} == {
+        "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"}
+    dense_params = _named(dense)
+    for slot in opt.sketches.slots:
+        grad = dense_params[slot.name].main_grad.float()
+        a = projection_block(parameter_seed(SEED, 0, slot.name), RANK, (0, grad.shape[1]))
+        want = grad @ a.t()
+        err = float((slot.sketch - want).abs().max()) / float(want.abs().max())
+        assert err <= 1e-5 and float(want.abs().max()) > 0, (slot.name, err)
+    want_norm = sum(float(s.sketch.double().pow(2).sum()) for s in opt.sketches.slots) ** 0.5
+    before = {n: p.detach().clone() for n, p in _named(paper).items()}
+    ok, grad_norm, _ = opt.step()
+    assert ok and grad_norm == pytest.approx(want_norm, rel=1e-6)  # the sketches' norm
+    sketched_names = {s.name for s in opt.sketches.slots}
+    for name, p in _named(paper).items():
+        moved = not torch.equal(p.detach(), before[name])
+        assert moved == (name in sketched_names), name
+    assert opt.state_bytes()["row_states"] > 0
+
+
 def test_targets_and_refresh_interval(setup):
-    arch, _, _ = setup
+    arch, _, _, _ = setup
     cfg = OptimizerConfig(name="logra", lr=LR, logra=LograConfig(rank=4, targets=("fc2",),
-                                                                 refresh_interval=3))
+                                                                 refresh_interval=3,
+                                                                 untargeted="adam"))
     objs = build_training_objects(arch, ModelBuildConfig(), cfg, seed=SEED, train_iters=4)
     sketches = objs.optimizer.sketches
     assert [s.name.split(".")[-2] for s in sketches.slots] == ["linear_fc2"] * 4

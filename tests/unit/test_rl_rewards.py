@@ -99,14 +99,25 @@ def test_grpo_advantages_by_hand():
 
 
 def test_running_baseline_by_hand_and_its_state():
-    b = adv.RunningBaseline(decay=0.5)
-    assert torch.equal(b.advantages(torch.tensor([1.0, 0.0])), torch.tensor([0.5, -0.5]))
-    assert b.value == 0.5  # 0.5 * 0.5 + 0.5 * 0.5
-    assert torch.equal(b.advantages(torch.tensor([1.0, 1.0])), torch.tensor([0.5, 0.5]))
-    assert b.value == 0.75
+    """The reference's REINFORCE: outcomes 1 (reward >= 1) or the failure reward; the
+    baseline starts at 0 and only past batches enter it (EMA weight 1 - decay)."""
+    outcomes = adv.reinforce_outcomes(torch.tensor([1.0, 0.4, 0.0, 1.5]), -0.01)
+    assert outcomes.tolist() == pytest.approx([1.0, -0.01, -0.01, 1.0])
+    partial = torch.tensor([1.0, 0.4])
+    assert adv.reinforce_outcomes(partial, None).tolist() == pytest.approx([1.0, 0.4])
+    b = adv.RunningBaseline(decay=0.9)
+    first = b.advantages(torch.tensor([1.0, -0.01]))
+    assert first.tolist() == pytest.approx([1.0, -0.01])  # b = 0: the batch is not its own baseline
+    assert b.value == pytest.approx(0.1 * 0.495)
+    second = b.advantages(torch.tensor([1.0, 1.0]))
+    assert second.tolist() == pytest.approx([1.0 - 0.0495, 1.0 - 0.0495])
+    assert b.value == pytest.approx(0.9 * 0.0495 + 0.1 * 1.0)
     restored = adv.RunningBaseline()
     restored.load_state_dict(b.state_dict())
     assert restored == b
+    old = adv.RunningBaseline()
+    old.load_state_dict({"decay": 0.9, "value": None})  # a checkpoint of the earlier baseline
+    assert old.value == 0.0
 
 
 def test_truncated_importance_weights_and_loss_by_hand():
