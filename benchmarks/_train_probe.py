@@ -117,7 +117,8 @@ def run(spec: dict) -> dict:
     opt = OptimizerConfig(name=name, lr=1e-5, use_distributed_optimizer=True,
                           logra=LograConfig(rank=spec["rank"], master_weights=master or "fp32",
                                             update_ratio=6e-5,
-                                            targets=tuple(spec["targets"].split(","))))
+                                            targets=tuple(spec["targets"].split(",")),
+                                            untargeted=spec.get("untargeted", "frozen")))
     build = ModelBuildConfig(bf16=True, recompute_activations=spec.get("recompute", False))
     objs = build_training_objects(arch, build, opt, seed=0, train_iters=spec["steps"] + 1)
     if rt.device.type == "cpu":  # count the steps' peak, not the build's transient copies

@@ -4,6 +4,8 @@
         [--rank 256] [--seq-length 256] [--micro-batch-size 1] [--microbatches 2]
 
 Same model (bf16 params, random init), same layout (one process, TP1), same batch.
+LoGRA as the paper runs it by default: qkv/proj/fc1/fc2 sketched, everything else
+frozen (``--untargeted adam`` trains those with megatron's Adam instead).
 Per variant: model-state bytes by category (params, DDP grad buffers, dense
 optimizer state and fp32 mains, LoGRA sketches/row states/masters), counted by
 enumerating every tensor held, and the measured peak memory of train steps.
@@ -32,8 +34,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--recompute", action="store_true", help="full activation recompute")
-    p.add_argument("--targets", default="qkv,proj,fc1,fc2,embedding",
-                   help="LoGRA's sketched weights (--logra-targets)")
+    p.add_argument("--targets", default="qkv,proj,fc1,fc2",
+                   help="LoGRA's sketched weights (--logra-targets; the paper's four)")
+    p.add_argument("--untargeted", choices=("frozen", "adam"), default="frozen",
+                   help="LoGRA's unsketched parameters (--logra-untargeted; the paper freezes)")
     return p.parse_args(argv)
 
 
@@ -42,7 +46,7 @@ def main(argv=None) -> None:
     spec = {"shape": args.shape, "device": args.device, "rank": args.rank,
             "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
             "microbatches": args.microbatches, "steps": args.steps, "recompute": args.recompute,
-            "targets": args.targets}
+            "targets": args.targets, "untargeted": args.untargeted}
     runs = {}
     for variant in VARIANTS:
         runs[variant] = measure(dict(spec, variant=variant))

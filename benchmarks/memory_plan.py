@@ -18,6 +18,8 @@ What the model assumes of this implementation: megatron's distributed optimizer
 shards the dense fp32 main + Adam moments over DP; LoGRA (with the same flag)
 shards its row states and fp32 masters over DP by whole rows, keeps its sketches
 whole in fp32 (they are DP-reduced); bf16 projections (exact for r a power of 4).
+LoGRA's unsketched parameters are frozen as in the paper (no grad buffer, no optimizer
+state; ``untargeted="adam"`` counts megatron's Adam for them instead).
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ def layer_linears(s: Shape) -> list[tuple[int, int, str]]:
 
 
 def plan(s: Shape, tp: int, pp: int, dp: int, *, method: str, rank: int = 256,
-         master: str = "fp32", seq: int = 4096, mbs: int = 1, sketch_embedding: bool = True,
-         activations: bool = True, recompute: bool = True) -> dict[str, float]:
+         master: str = "fp32", seq: int = 4096, mbs: int = 1, sketch_embedding: bool = False,
+         untargeted: str = "frozen", activations: bool = True,
+         recompute: bool = True) -> dict[str, float]:
     """Bytes on the busiest rank (the first stage, which also holds the embedding)."""
     layers = -(-s.layers // pp)
     lin = layer_linears(s)
@@ -84,7 +87,7 @@ def plan(s: Shape, tp: int, pp: int, dp: int, *, method: str, rank: int = 256,
     else:
         sketched = lin_params + (emb_params if sketch_embedding else 0)
         unsketched = small + (0 if sketch_embedding else emb_params)
-        out["grads_and_optimizer"] = dense_state(unsketched)
+        out["grads_and_optimizer"] = dense_state(unsketched) if untargeted == "adam" else 0.0
         rows = layers * sum(o / tp if p == "col" else o for o, _, p in lin)
         cols = layers * sum(i if p == "col" else i / tp for _, i, p in lin)
         if sketch_embedding:
@@ -176,6 +179,7 @@ def validate(measured: dict) -> dict:
         sketch_emb = "embedding" in measured.get("targets", "")
         full = plan(s, 1, 1, 1, method=method, rank=measured["rank"], master=master,
                     sketch_embedding=sketch_emb, seq=measured["seq_length"],
+                    untargeted=measured.get("untargeted", "frozen"),
                     mbs=measured["micro_batch_size"], recompute=measured["recompute"])
         predicted, got = full["model_state"], run["model_state_bytes"]["total"]
         peak = run["peak_mem_bytes"]

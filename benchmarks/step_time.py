@@ -24,7 +24,8 @@ def main(argv=None) -> None:
     spec = {"shape": args.shape, "device": args.device, "rank": args.rank,
             "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
             "microbatches": args.microbatches, "steps": max(args.steps, 6),
-            "recompute": args.recompute, "targets": args.targets}
+            "recompute": args.recompute, "targets": args.targets,
+            "untargeted": args.untargeted}
     runs = {v: measure(dict(spec, variant=v)) for v in ("dense_adam", "logra_fp32_master")}
     report = {"benchmark": "step_time", **spec,
               "dense_step_time_s": runs["dense_adam"]["step_time_s"],

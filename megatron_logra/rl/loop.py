@@ -228,7 +228,7 @@ class RLRun:
                 failure = rl.failure_reward if rl.reward == "binary" else None
                 a = self.baseline.advantages(adv.reinforce_outcomes(r, failure))
             samples = [RolloutSample(p.ids, c.token_ids, c.logprobs, float(a.flatten()[k]),
-                                     truncated=c.truncated)
+                                     truncated=c.truncated, reward=float(r.flatten()[k]))
                        for k, (p, c) in enumerate(zip(
                            [p for p in prompts for _ in range(rl.responses_per_prompt)],
                            completions))]

@@ -32,6 +32,7 @@ class RolloutSample:
     rollout_logprobs: list[float]  # one per response token
     advantage: float
     truncated: bool = False  # the response hit --max-new-tokens (no EOS)
+    reward: float = 0.0  # the verifier's score the advantage came from
 
 
 def collate_rollouts(samples: list[RolloutSample], seq_length: int,

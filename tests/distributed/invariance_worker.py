@@ -3,6 +3,8 @@
     torchrun --standalone --nproc-per-node W tests/distributed/invariance_worker.py PLAN.json
 
 PLAN.json: {"out": DIR, "runs": [{"name": ..., "argv": [...]} ...]}. A run
+{"name", "init_weights": [...]} builds the model of that command line and saves its
+initial weights only (the yardstick of the update-size tolerances). A run
 {"name", "sketch_check": [TP, PP]} instead compares LoGRA's sketches with the dense
 G A^T at that layout (``sketch_check.py``) and writes DIR/NAME.json; a run
 {"name", "kl_check": [TP, PP, OPTIMIZER, DIST_OPT]} writes the predicted-KL
@@ -29,7 +31,7 @@ def main() -> None:
     from megatron_logra.cli import parse_run_config
     from megatron_logra.model.gather import gather_full_state_dict
     from megatron_logra.runtime.device import init_runtime
-    from megatron_logra.training.trainer import run_sft
+    from megatron_logra.training.trainer import prepare_training, run_sft
 
     rt = init_runtime()
     out = Path(plan["out"])
@@ -49,6 +51,14 @@ def main() -> None:
             if rt.rank == 0:
                 (out / f"{run['name']}.json").write_text(json.dumps(report))
                 print(f"[worker] {run['name']}: {report}", flush=True)
+            continue
+        if "init_weights" in run:
+            cfg = parse_run_config(run["init_weights"], world_size=rt.world_size)
+            objs = prepare_training(cfg).objs
+            weights = gather_full_state_dict(objs.model[0], objs.arch)
+            if rt.rank == 0:
+                torch.save({"weights": weights}, out / f"{run['name']}.pt")
+            del objs
             continue
         cfg = parse_run_config(run["argv"], world_size=rt.world_size)
         result = run_sft(cfg)

@@ -30,7 +30,7 @@ def kl_numbers(tp: int, pp: int, optimizer: str, distributed_optimizer: bool,
     arch = load_arch(EMBEDDED_DEFAULT)
     opt = OptimizerConfig(name=optimizer, lr=2e-3, clip_grad=0.0,
                           use_distributed_optimizer=distributed_optimizer,
-                          logra=LograConfig(rank=16, targets=TARGETS))
+                          logra=LograConfig(rank=16, targets=TARGETS, update_ratio=2e-3))
     objs = build_training_objects(arch, ModelBuildConfig(), opt, seed=11, train_iters=4)
     g = torch.Generator().manual_seed(4)
     batch = []

@@ -60,6 +60,8 @@ def main() -> None:
     check("start")
     for update in range(2):
         samples, record = run.rollout_batch(update)
+        record["advantages"] = [s.advantage for s in samples]
+        record["rewards"] = [s.reward for s in samples]
         # an untrained model earns no reward (zero advantages, no update): give the samples
         # +-1 advantages so that the weights move and the sync has something to carry
         samples = [replace(s, advantage=1.0 if k % 2 else -1.0) for k, s in enumerate(samples)]
