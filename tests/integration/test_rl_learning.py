@@ -1,11 +1,14 @@
 """RL learns: a tiny model warm-started with --stage sft gains held-out reward in 30 RL
-updates, with dense Adam and with LoGRA (real vLLM rollouts, real gcd verifier).
+updates, with dense Adam and with LoGRA as the paper runs it (sketched q/k/v/o/gate/up/
+down, the rest frozen, norm restoration), under GRPO and under the paper's REINFORCE
+with a running baseline (64 prompts x 1 response) (real vLLM rollouts, real gcd verifier).
 
 Seeds are fixed and both sides are deterministic on CPU (per-sample vLLM seeds, fp32),
-so the figures repeat run to run. Measured: eval pass@1 0.156 before; after 30 updates
-0.336 (dense Adam) and 0.250 (LoGRA r=32). Asserted margins: +0.12 and +0.06. The eval
-prompts and their sampling seeds are fixed, so an unchanged policy would score 0.156
-again: the gain is the policy's.
+so the figures repeat run to run. Measured (evaluation at temperature 0.7, top-p 0.7,
+32 prompts x 4): eval pass@1 0.211 before; after 30 updates 0.344 (dense Adam, GRPO),
+0.281 (LoGRA r=32, GRPO), 0.344 (dense Adam, REINFORCE), 0.344 (LoGRA, REINFORCE).
+Asserted margins: +0.08, +0.04, +0.08, +0.08. The eval prompts and their sampling seeds
+are fixed, so an unchanged policy would score 0.211 again: the gain is the policy's.
 """
 
 from __future__ import annotations
@@ -27,11 +30,16 @@ RL = ["--stage", "rl", "--train-iters", "30", "--prompts-per-step", "8",
       "--responses-per-prompt", "8", "--micro-batch-size", "16", "--max-new-tokens", "8",
       "--lr-decay-style", "constant", "--dataset-size", "400", "--eval-prompts", "32",
       "--eval-samples", "4", "--eval-interval", "10", "--log-interval", "10"]
-OPTIMIZERS = {
-    "adam": (["--lr", "1e-3"], 0.12),
-    "logra": (["--lr", "1e-3", "--optimizer", "logra", "--logra-rank", "32",
-               "--logra-update-ratio", "3e-2", "--logra-targets", "qkv,proj,fc1,fc2,embedding"],
-              0.06),
+LOGRA = ["--optimizer", "logra", "--logra-rank", "32", "--logra-update-ratio", "3e-2"]
+# the paper's algorithm: REINFORCE with the running baseline, one response per prompt
+REINFORCE = ["--algorithm", "reinforce", "--prompts-per-step", "64", "--responses-per-prompt",
+             "1"]
+OPTIMIZERS = {  # name -> (flags, asserted gain in held-out pass@1)
+    "adam": (["--lr", "1e-3"], 0.08),
+    # LoGRA as the paper (q/k/v/o/gate/up/down sketched, the rest frozen, restoration)
+    "logra": (LOGRA, 0.04),
+    "adam_reinforce": (["--lr", "1e-3", *REINFORCE], 0.08),
+    "logra_reinforce": ([*LOGRA, *REINFORCE], 0.08),
 }
 
 
@@ -95,6 +103,11 @@ def test_resumed_run_continues_exactly(sft_checkpoint, tmp_path):
         a, b = straight[step], resumed[step]
         assert (a["reward_mean"], a["response_len"]) == (b["reward_mean"], b["response_len"])
         assert abs(a["loss"] - b["loss"]) <= 1e-6, (step, a["loss"], b["loss"])
-        for key in ("kl_budget", "kl_mismatch_avg", "alpha", "kl_pred"):
-            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-12), (step, key, a, b)
+        # m averages rollout - trainer logprobs, which a freshly started engine reproduces
+        # only to fp32 noise (~1e-7 per token, 2e-8 in the mean): m, the budget less m, and
+        # alpha = sqrt(budget / K) follow within that
+        for key in ("kl_budget", "kl_mismatch_avg"):
+            assert b[key] == pytest.approx(a[key], rel=0, abs=1e-7), (step, key, a, b)
+        for key in ("alpha", "kl_pred"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3), (step, key, a, b)
     assert straight[3]["kl_budget"] < straight[1]["kl_budget"]  # the schedule moved on
