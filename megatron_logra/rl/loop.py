@@ -238,6 +238,7 @@ class RLRun:
             payload = [(samples, stats)]
         dist.broadcast_object_list(payload, src=0)
         samples, stats = payload[0]
+        self.baseline.value = stats["baseline"]  # every rank checkpoints the same state
         return samples, stats
 
     def batch_length(self, samples: list[RolloutSample]) -> int:
