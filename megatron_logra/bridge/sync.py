@@ -7,8 +7,8 @@ engine (``rl.engine.RolloutEngine``, None on other ranks and before it has start
 - full: every parameter streamed to rank 0 as HF tensors in buckets (``full_push``);
   before the engine exists, the tensors are returned for its start-up weights instead.
 - sparse-delta: each sender's changed engine-dtype elements against what it last sent.
-- sketch-delta (LoGRA): every rank's own rows of D with seeds; the unsketched params in
-  full.
+- sketch-delta (LoGRA): every rank's own rows of D with seeds; the unsketched params that
+  train in full (none when they are frozen, the paper's setting).
 A delta needs the engine at exactly the previous version (and, for sparse, senders
 whose last sent tensors are that version); otherwise, on an anchor update
 (``--weight-sync-anchor-interval``) and after a refusal, the push is full. Every
@@ -27,6 +27,7 @@ from megatron_logra.bridge.fingerprint import same_fingerprint
 from megatron_logra.bridge.sketch_delta import owned_updates
 from megatron_logra.config import RLConfig
 from megatron_logra.model.hf_mapping import hf_sources, megatron_param_names
+from megatron_logra.model.provider import canonical_param_names, unwrap
 from megatron_logra.rl.engine import EngineError, PushRefused
 from megatron_logra.rl.weight_push import (full_push, plan_push, sparse_push,
                                            trainer_fingerprints)
@@ -88,13 +89,20 @@ class WeightSync:
             self.shadow = {}
 
     def keep_sketch_updates(self) -> None:
-        """Keep each update's (D, coefficient, seed) for sketch deltas (collective)."""
+        """Keep each update's (D, coefficient, seed) for sketch deltas (collective). The
+        unsketched params that train (any rank's, by canonical name) go in full with each
+        delta; frozen ones (``--logra-untargeted frozen``) never change and are not sent."""
         optimizer = self.objs.optimizer
         optimizer.keep_updates = True
-        names = [None] * dist.get_world_size()
-        dist.all_gather_object(names, [s.name for s in optimizer.sketches.slots])
-        sketched = {n for ns in names for n in ns}
-        self.unsketched = [n for n in megatron_param_names(self.objs.arch) if n not in sketched]
+        names = canonical_param_names(self.objs.model[0], self.objs.arch)
+        trained = {names[n] for n, p in unwrap(self.objs.model[0]).named_parameters()
+                   if p.requires_grad}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, ([s.name for s in optimizer.sketches.slots], trained))
+        sketched = {n for ns, _ in everyone for n in ns}
+        trained = set().union(*(t for _, t in everyone))
+        self.unsketched = [n for n in megatron_param_names(self.objs.arch)
+                           if n not in sketched and n in trained]
 
     # --- one push --------------------------------------------------------------------------
     def push(self, engine, version: int, transport: str | None = None) -> PushResult:

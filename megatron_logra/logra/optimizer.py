@@ -36,6 +36,7 @@ those rows only, updates them, and the DP group all-gathers the updated rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable
 
 import torch
@@ -111,10 +112,17 @@ class LograOptimizer:
         self.masters = [sh.take(p.detach()).float().clone() if keep else None
                         for p, sh, keep in zip(sketches.params, self.shards, keep_master)]
         # per-module statistics: slot i's modules are entries [offsets[i], offsets[i + 1])
-        counts = [len(slot.module_names) for slot in sketches.slots]
-        self.module_offsets = [sum(counts[:i]) for i in range(len(counts) + 1)]
+        self.module_offsets = [0, *accumulate(len(slot.module_names)
+                                              for slot in sketches.slots)]
         self.owned_modules = [sh.take(slot.module_rows)
                               for sh, slot in zip(self.shards, sketches.slots)]
+        # which modules' rows are split over DP (row-sharded weights) and over TP
+        # (column-parallel weights): their statistics are summed over that group
+        per_module = [(sh.sharded, slot.parallel == "column", len(slot.module_names))
+                      for sh, slot in zip(self.shards, sketches.slots)]
+        self.module_split = tuple(
+            torch.tensor([flags[k] for flags in per_module for _ in range(flags[2])],
+                         dtype=torch.bool) for k in (0, 1))
         self.steps = 0  # RowAdam steps taken (bias correction)
         # (D, coefficient, seed) per weight of the last update, for a receiver (rollout engine,
         # tests); off by default: it holds another out x r fp32 tensor per sketched weight
@@ -173,20 +181,14 @@ class LograOptimizer:
         (column-parallel weights). ``per_row(i, owned rows of slot i's sketch)`` returns
         ``width`` tensors [owned rows]."""
         sk, offsets = self.sketches, self.module_offsets
-        rows = None
+        parts = [torch.zeros(width, 0, dtype=torch.float64, device=self._device())]
         for i, (slot, shard) in enumerate(zip(sk.slots, self.shards)):
             values = per_row(i, shard.take(slot.sketch))
             n = offsets[i + 1] - offsets[i]
-            part = torch.stack([row_adam.module_sums(v, self.owned_modules[i], n)
-                                for v in values])
-            rows = part if rows is None else torch.cat([rows, part], dim=1)
-        if rows is None:
-            return torch.zeros(width, 0, dtype=torch.float64)
-        rows = rows.cpu()
-        dp_split = torch.cat([torch.full((offsets[i + 1] - offsets[i],), sh.sharded)
-                              for i, sh in enumerate(self.shards)])
-        tp_split = torch.cat([torch.full((offsets[i + 1] - offsets[i],), s.parallel == "column")
-                              for i, s in enumerate(sk.slots)])
+            parts.append(torch.stack([row_adam.module_sums(v, self.owned_modules[i], n)
+                                      for v in values]))
+        rows = torch.cat(parts, dim=1).cpu()
+        dp_split, tp_split = self.module_split
         rows = self._masked_sum(rows, dp_split, parallel_state.get_data_parallel_group)
         return self._masked_sum(rows, tp_split, parallel_state.get_tensor_model_parallel_group)
 

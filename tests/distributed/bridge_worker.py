@@ -3,7 +3,8 @@
     torchrun --nproc-per-node N tests/distributed/bridge_worker.py OUT.json RUN_DIR
 
 For each trainer layout of the launch (``LAYOUTS``: bf16 weights, LoGRA in SR mode,
-every sketch target, a bf16 engine of vLLM TP1 or TP2): four RL updates, pushed as
+every sketch target, a bf16 engine of vLLM TP1 (norms trained by Adam) or TP2 (norms
+frozen)): four RL updates, pushed as
 sketch-delta, sparse-delta, sketch-delta, full (the start-up push is full). After
 every push rank 0 compares the engine's held HF tensors with the trainer's weights
 (gathered to HF tensors) element by element, and at the end the logprobs; it checks
@@ -30,9 +31,12 @@ TP2, PP2, ENGINE_TP2 = (["--tensor-model-parallel-size", "2"],
                         ["--pipeline-model-parallel-size", "2"],
                         ["--rollout-tensor-parallel-size", "2"])
 TRAINERS = {1: {"tp1": []}, 2: {"tp2": TP2, "pp2": PP2}, 4: {"tp2pp2": [*TP2, *PP2]}}
-# every trainer layout into a vLLM TP1 and a vLLM TP2 engine
-LAYOUTS = {world: {**layouts, **{f"{name}_engine_tp2": [*flags, *ENGINE_TP2]
-                                 for name, flags in layouts.items()}}
+# every trainer layout into a vLLM TP1 engine, with the norms trained by Adam (sent in full
+# with each sketch delta), and into a vLLM TP2 engine with them frozen (the paper's: not sent)
+ADAM = ["--logra-untargeted", "adam"]
+LAYOUTS = {world: {**{name: [*flags, *ADAM] for name, flags in layouts.items()},
+                   **{f"{name}_engine_tp2": [*flags, *ENGINE_TP2]
+                      for name, flags in layouts.items()}}
            for world, layouts in TRAINERS.items()}
 TRANSPORTS = ["sparse-delta", "sketch-delta", "sketch-delta", "full"]
 
