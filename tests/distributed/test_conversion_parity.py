@@ -249,7 +249,10 @@ def test_verify_cli_at_tp3_and_its_exit_status(models, smollm2_exactness):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["tensor_model_parallel_size"] == 3
-    assert abs(report["max_abs_diff"] - smollm2_exactness["ours32_vs_hf32"]) <= TOL, report
+    # TP3 splits the row-parallel sums three ways: fp32 rounds differently than at TP1
+    # (measured 1.5e-5 apart on this machine, against transformers' own 9.9e-5 error)
+    assert abs(report["max_abs_diff"] - smollm2_exactness["ours32_vs_hf32"]) <= \
+        0.25 * smollm2_exactness["hf32"], (report, smollm2_exactness)
     naive = models["naive"]
     proc = _torchrun(2, "-m", "checkpoints_tools.verify", "--hf-dir", str(naive["hf"]), "--ckpt",
                      str(naive["ckpt"]), "--tensor-model-parallel-size", "2", cwd=REPO)
