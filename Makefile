@@ -44,7 +44,7 @@ demo: setup
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 launch/pretrain_rl.py \
 		--stage rl --pipeline-model-parallel-size 2 --model-dir $(SMOL) --load $(SMOL_CKPT) \
 		--finetune --task spell_backward --reward partial --optimizer logra --logra-rank 64 \
-		--logra-update-ratio 2e-3 --kl-control predicted --train-iters 10 --prompts-per-step 8 \
+		--kl-control predicted --train-iters 10 --prompts-per-step 8 \
 		--responses-per-prompt 4 --micro-batch-size 4 --seq-length 256 --max-new-tokens 48 \
 		--dataset-size 300 --eval-prompts 16 --eval-samples 2 --eval-interval 5 \
 		--output-dir $(DEMO_DIR) --save $(DEMO_DIR)/checkpoints --log-interval 1

@@ -27,14 +27,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_logra.logra.projection import parameter_seed, projection_block
-from megatron_logra.model.arch import ModelArch
-from megatron_logra.model.hf_mapping import row_segments
 from megatron_logra.logra.sketched_linear import (
     SKETCHED_TYPES,
     SketchedColumnParallelLinear,
     SketchedVocabParallelEmbedding,
     SketchSlot,
 )
+from megatron_logra.model.arch import ModelArch
+from megatron_logra.model.hf_mapping import row_segments
 
 EMBEDDING = "embedding.word_embeddings.weight"
 

@@ -30,7 +30,7 @@ class MetricsLog:
         elapsed = time.time() - self.start
         parts = [f"step {record['step']}/{total_steps}"]
         for key, fmt in (("reward_mean", "{:.3f}"), ("eval_pass@1", "{:.3f}"),
-                         ("kl_pred", "{:.2e}"), ("kl_realized", "{:.2e}"), ("alpha", "{:.2f}"),
+                         ("kl_pred", "{:.2e}"), ("kl_realized", "{:.2e}"), ("alpha", "{:.3g}"),
                          ("loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"),
                          ("tokens", "{:d}"), ("step_time_s", "{:.2f}s")):
             if record.get(key) is not None:
