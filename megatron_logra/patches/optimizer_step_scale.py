@@ -78,9 +78,7 @@ class StepScaler:
         for mains, deltas in zip(self.mains, self.main_deltas):
             for m, d in zip(mains, deltas):
                 d.sub_(m).neg_()  # new - old
-        from_mains = {}
-        for sub, mains, deltas in zip(self.subs, self.mains, self.main_deltas):
-            from_mains.update(self._tangents_from_mains(sub, mains, deltas))
+        from_mains = self._tangents_from_mains()
         out = {}
         for name, p in self.model_params.items():
             old = self.old_model[name]
@@ -89,29 +87,33 @@ class StepScaler:
         self.old_model = {}
         return out
 
-    @staticmethod
-    def _tangents_from_mains(sub, mains, deltas) -> dict[int, torch.Tensor]:
-        """id(model param) -> its tangent, for the params ``sub`` keeps fp32 copies of: the
-        copies' changes placed in one flat buffer of the params' dtype, summed over DP when
-        each rank owns a shard (every element is owned once, so the sum is exact)."""
-        copies = _fp32_copies(sub)
-        params = list({id(p): p for p, _, _ in copies.values()}.values())
-        if not params:
-            return {}
-        offsets, total = {}, 0
-        for p in params:
-            offsets[id(p)], total = total, total + p.numel()
-        flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
-        for main, delta in zip(mains, deltas):
-            if id(main) in copies:
-                param, start, end = copies[id(main)]
-                base = offsets[id(param)]
-                flat[base + start:base + end] = delta.view(-1).to(flat.dtype)
-        if isinstance(sub, DistributedOptimizer) and \
-                torch.distributed.get_world_size(sub.data_parallel_group) > 1:
-            torch.distributed.all_reduce(flat, group=sub.data_parallel_group)
-        return {id(p): flat[offsets[id(p)]:offsets[id(p)] + p.numel()].view_as(p)
-                for p in params}
+    def _tangents_from_mains(self) -> dict[int, torch.Tensor]:
+        """id(model param) -> its tangent, for the lower-precision params: the fp32 copies'
+        changes placed in one flat buffer per dtype that lists every such stepped param in
+        the same order on every rank (so shards line up), summed over DP when the
+        distributed optimizer gives each rank a shard (each element is owned once: the sum
+        is exact)."""
+        flats, offsets, dp_group = {}, {}, None
+        for p in self.model_params.values():
+            if p.dtype != torch.float32:
+                size = flats.get(p.dtype, 0)
+                offsets[id(p)], flats[p.dtype] = size, size + p.numel()
+        flats = {dtype: torch.zeros(n, dtype=dtype, device=next(iter(
+            self.model_params.values())).device) for dtype, n in flats.items()}
+        for sub, mains, deltas in zip(self.subs, self.mains, self.main_deltas):
+            copies = _fp32_copies(sub)
+            for main, delta in zip(mains, deltas):
+                if id(main) in copies:
+                    param, start, end = copies[id(main)]
+                    base = offsets[id(param)]
+                    flats[param.dtype][base + start:base + end] = delta.view(-1)
+            if isinstance(sub, DistributedOptimizer):
+                dp_group = sub.data_parallel_group
+        if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
+            for flat in flats.values():
+                torch.distributed.all_reduce(flat, group=dp_group)
+        return {id(p): flats[p.dtype][offsets[id(p)]:offsets[id(p)] + p.numel()].view_as(p)
+                for p in self.model_params.values() if id(p) in offsets}
 
     @torch.no_grad()
     def apply(self, alpha: float) -> None:

@@ -7,7 +7,7 @@ PLAN.json: {"out": DIR, "runs": [{"name": ..., "argv": [...]} ...]}. A run
 initial weights only (the yardstick of the update-size tolerances). A run
 {"name", "sketch_check": [TP, PP]} instead compares LoGRA's sketches with the dense
 G A^T at that layout (``sketch_check.py``) and writes DIR/NAME.json; a run
-{"name", "kl_check": [TP, PP, OPTIMIZER, DIST_OPT]} writes the predicted-KL
+{"name", "kl_check": [TP, PP, OPTIMIZER, DIST_OPT(, BF16)]} writes the predicted-KL
 controller's numbers there (``kl_check.py``). Each run is a
 normal launcher command line executed in-process (megatron's process groups are
 rebuilt per run); rank 0 writes DIR/NAME.pt = {"losses", "grad_norms", "weights"}
@@ -47,7 +47,7 @@ def main() -> None:
         if "kl_check" in run:  # {"name", "kl_check": [tp, pp, optimizer, distributed_opt]}
             from kl_check import kl_numbers
 
-            report = kl_numbers(*run["kl_check"], rt.world_size)
+            report = kl_numbers(*run["kl_check"][:4], rt.world_size, *run["kl_check"][4:])
             if rt.rank == 0:
                 (out / f"{run['name']}.json").write_text(json.dumps(report))
                 print(f"[worker] {run['name']}: {report}", flush=True)

@@ -1,7 +1,7 @@
 """In a torchrun worker: the predicted-KL controller's numbers at one TP/PP/DP layout.
 
 The model is built from the same seed at the layout (the same weights at every
-layout, as the invariance tests check), one plain update is taken, then a second
+layout, as the invariance tests check; bf16 optional), one plain update is taken, then a second
 update on the same batch is taken through ``PredictedKLStep``: its K (the Fisher
 quadratic form along the update, from the forward-mode pass through TP
 communication and PP stages), alpha and the realized KL. Every DP rank trains on the
@@ -14,7 +14,7 @@ import torch
 
 
 def kl_numbers(tp: int, pp: int, optimizer: str, distributed_optimizer: bool,
-               world_size: int) -> dict:
+               world_size: int, bf16: bool = False) -> dict:
     from megatron_logra.config import KLControlConfig, LograConfig, OptimizerConfig
     from megatron_logra.logra.sketched_linear import TARGETS
     from megatron_logra.model.arch import load_arch
@@ -31,7 +31,8 @@ def kl_numbers(tp: int, pp: int, optimizer: str, distributed_optimizer: bool,
     opt = OptimizerConfig(name=optimizer, lr=2e-3, clip_grad=0.0,
                           use_distributed_optimizer=distributed_optimizer,
                           logra=LograConfig(rank=16, targets=TARGETS, update_ratio=2e-3))
-    objs = build_training_objects(arch, ModelBuildConfig(), opt, seed=11, train_iters=4)
+    objs = build_training_objects(arch, ModelBuildConfig(bf16=bf16), opt, seed=11,
+                                  train_iters=4)
     g = torch.Generator().manual_seed(4)
     batch = []
     for _ in range(2):
