@@ -7,8 +7,10 @@ Seeds are fixed and both sides are deterministic on CPU (per-sample vLLM seeds, 
 so the figures repeat run to run. Measured (evaluation at temperature 0.7, top-p 0.7,
 32 prompts x 4): eval pass@1 0.211 before; after 30 updates 0.344 (dense Adam, GRPO),
 0.281 (LoGRA r=32, GRPO), 0.344 (dense Adam, REINFORCE), 0.344 (LoGRA, REINFORCE).
-Asserted margins: +0.08, +0.04, +0.08, +0.08. The eval prompts and their sampling seeds
-are fixed, so an unchanged policy would score 0.211 again: the gain is the policy's.
+With another seed (--seed 7 --rollout-seed 3) all four went 0.352 -> 0.438. Asserted
+margins, below both seeds' gains: +0.06, +0.04, +0.06, +0.06. The eval prompts and
+their sampling seeds are fixed, so an unchanged policy would score 0.211 again: the
+gain is the policy's.
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ LOGRA = ["--optimizer", "logra", "--logra-rank", "32", "--logra-update-ratio", "
 REINFORCE = ["--algorithm", "reinforce", "--prompts-per-step", "64", "--responses-per-prompt",
              "1"]
 OPTIMIZERS = {  # name -> (flags, asserted gain in held-out pass@1)
-    "adam": (["--lr", "1e-3"], 0.08),
+    "adam": (["--lr", "1e-3"], 0.06),
     # LoGRA as the paper (q/k/v/o/gate/up/down sketched, the rest frozen, restoration)
     "logra": (LOGRA, 0.04),
-    "adam_reinforce": (["--lr", "1e-3", *REINFORCE], 0.08),
-    "logra_reinforce": ([*LOGRA, *REINFORCE], 0.08),
+    "adam_reinforce": (["--lr", "1e-3", *REINFORCE], 0.06),
+    "logra_reinforce": ([*LOGRA, *REINFORCE], 0.06),
 }
 
 
