@@ -156,9 +156,14 @@ class LograOptimizer:
             ok, grad_norm, zeros = self.dense.step()
         if ok:
             self.step_sketches()
+        return ok, self.reported_grad_norm(grad_norm), zeros
+
+    def reported_grad_norm(self, dense_grad_norm: float | None) -> float | None:
+        """The grad norm to log: the dense step's, or with every unsketched parameter
+        frozen (no dense step) the norm of the last update's reduced sketches."""
         if self.dense is None:
-            grad_norm = self.last_stats.get("sketch_norm")
-        return ok, grad_norm, zeros
+            return self.last_stats.get("sketch_norm")
+        return dense_grad_norm
 
     def low_rank_tangents(self, coefficient: float) -> dict[int, LowRankTangent]:
         """During ``scale_fn``: this update's weight tangents -c D A per sketched weight,

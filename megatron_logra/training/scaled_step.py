@@ -58,8 +58,7 @@ def scaled_optimizer_step(optimizer, model_chunks: list,
 
     if logra:
         optimizer.step_sketches(scale)
-        if dense is None:
-            grad_norm = optimizer.last_stats.get("sketch_norm")
+        grad_norm = optimizer.reported_grad_norm(grad_norm)
     else:
         scale()
     return True, grad_norm, chosen[0]
