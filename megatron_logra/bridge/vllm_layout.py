@@ -1,6 +1,6 @@
 """Where each HF tensor lives in a vLLM tensor-parallel worker (Llama/Qwen2/Qwen3 models).
 
-Pure index arithmetic, no vLLM import: the worker extension (``rl.vllm_ext``) uses it
+Pure index arithmetic, no vLLM import: the worker extension (``vllm_worker``) uses it
 to add deltas straight into vLLM's fused, sharded parameters, and to read them back in
 HF coordinates (fingerprints, tests). vLLM's layout at TP size ``tp``, rank ``t``:
 

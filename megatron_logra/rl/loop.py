@@ -1,6 +1,7 @@
 """The RL stage (``--stage rl``): rollouts -> rewards -> advantages -> update -> weight sync.
 
-Rank 0 drives the rollout engine (a vLLM process, ``rl.engine``) and the verifier;
+Rank 0 drives the rollout engine (a vLLM process, through ``bridge.EngineLink``) and
+the verifier;
 every rank trains. Per update:
 
 1. rank 0 samples P prompts x G responses from the engine (which serves exactly the
@@ -8,7 +9,7 @@ every rank trains. Per update:
    advantages; the rollouts are broadcast to all ranks;
 2. the trainer takes one policy-gradient step (dense Adam or LoGRA) on them, with
    truncated importance weights against the rollout logprobs;
-3. the new weights are pushed to the engine and committed (``bridge.sync``: full,
+3. the new weights are pushed to the engine and committed (``bridge``: full,
    sparse-delta or sketch-delta).
 
 If the engine dies or refuses (any vLLM RPC failure kills it), rank 0 restarts it,
@@ -32,21 +33,23 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_logra.bridge.engine_link import EngineLink
+from megatron_logra.bridge.protocol import EngineConfig
 from megatron_logra.bridge.sync import WeightSync
 from megatron_logra.config import RunConfig
 from megatron_logra.data.tokenizer import load_tokenizer
+from megatron_logra.kl.controller import PredictedKLStep
 from megatron_logra.rl import advantages as adv
 from megatron_logra.rl import rollouts
-from megatron_logra.rl.engine import EngineConfig, EngineError, RolloutEngine
-from megatron_logra.rl.kl_step import PredictedKLStep
 from megatron_logra.rl.policy_loss import (REPORT_KEYS, RolloutSample, collate_rollouts,
                                            policy_gradient_loss)
-from megatron_logra.rl.verifiers import Verifier, VerifierConfig, generate_rl_items
+from megatron_logra.data.tasks import generate_items
+from megatron_logra.rl.verifiers import Verifier, VerifierConfig
 from megatron_logra.runtime.device import peak_memory_bytes, synchronize
 from megatron_logra.training import checkpointing
 from megatron_logra.training.metrics import MetricsLog
 from megatron_logra.training.step import global_report_sums, train_step
-from megatron_logra.training.trainer import RunResult, prepare_training
+from megatron_logra.training.prepare import RunResult, prepare_training
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -69,7 +72,8 @@ class RLRun:
         self.objs = self.prep.objs
         self.rank = dist.get_rank()
         self.dtype = _DTYPES[cfg.rl.rollout_dtype]
-        self.weights = WeightSync(self.objs, cfg.rl, self.dtype)
+        self.weights = WeightSync(cfg.rl.sync, self.objs.model, self.objs.arch, self.dtype,
+                                  optimizer=self.objs.optimizer)
         self.sync = self.weights.stats
         self.baseline = adv.RunningBaseline(cfg.rl.baseline_decay)
         extra = self.prep.extra_state or {}
@@ -81,7 +85,7 @@ class RLRun:
             if self.kl_step is not None and "kl" in extra["rl"]:
                 self.kl_step.controller.load_state_dict(extra["rl"]["kl"])
         self.driver = self._start_driver_everywhere()
-        self.engine: RolloutEngine | None = None  # rank 0, once the first push wrote its weights
+        self.link = EngineLink(self.weights, self.driver.engine_cfg if self.driver else None)
         self.version = self.prep.start_step
         self.push_weights()  # the engine starts from the trainer's weights
 
@@ -104,7 +108,7 @@ class RLRun:
         cfg, rl = self.cfg, self.cfg.rl
         tokenizer = load_tokenizer(cfg.model.model_dir, cfg.model.tokenizer_model)
         seed = self._data_seed()
-        items = generate_rl_items(cfg.data.tasks, cfg.data.dataset_size, seed)
+        items = generate_items(cfg.data.tasks, cfg.data.dataset_size, seed)
         prompts = rollouts.encode_prompts(items, tokenizer,
                                           cfg.training.seq_length - rl.max_new_tokens)
         if len(prompts) <= rl.eval_prompts:
@@ -114,7 +118,7 @@ class RLRun:
             str(self._engine_init_dir()), max_model_len=cfg.training.seq_length + 1,
             dtype=rl.rollout_dtype, kv_cache_gib=rl.rollout_kv_cache_gib,
             tensor_parallel_size=rl.rollout_tensor_parallel_size, seed=rl.rollout_seed,
-            delta_sync=rl.weight_sync != "full")
+            delta_sync=self.weights.needs_in_place_engine)
         print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",
               flush=True)
         verifier = Verifier(VerifierConfig(reward=rl.reward, timeout_s=rl.verifier_timeout_s))
@@ -135,76 +139,20 @@ class RLRun:
                 shutil.copy2(f, out / f.name)
         return out
 
-    # --- weight sync (collective) ----------------------------------------------------------
+    # --- the engine (``bridge.EngineLink``; collective) -------------------------------------
+    @property
+    def engine(self):
+        """Rank 0's ``RolloutEngine`` (None elsewhere, and before the first push)."""
+        return self.link.engine
+
     def push_weights(self, transport: str | None = None) -> None:
-        """Push the trainer's weights as version ``self.version`` (``bridge.sync``); restart
-        the engine and retry on failure (every rank takes part: the push is a collective).
-        ``transport`` forces one (tests, benchmarks)."""
-        for attempt in range(3):
-            t0 = time.perf_counter()
-            failed, sent = self._push_once(transport)
-            flag = torch.tensor([int(bool(failed))])
-            dist.broadcast(flag, src=0)
-            self.sync.seconds += time.perf_counter() - t0
-            if not flag.item():
-                self.sync.bytes += sent
-                self.sync.pushes += 1
-                return
-            if self.rank == 0:
-                print(f"weight push failed ({failed}); restarting the engine", flush=True)
-                self._restart_engine()
-        raise RuntimeError("weight push failed 3 times: see the engine errors above")
+        """Push the trainer's weights as version ``self.version``; ``transport`` forces one
+        (tests, benchmarks)."""
+        self.link.push(self.version, transport)
 
-    def _push_once(self, transport: str | None) -> tuple[str, int]:
-        """(failure message or "", bytes sent). The very first push writes the engine's
-        start-up weights instead (then starts it from them)."""
-        result = self.weights.push(self.engine, self.version, transport)
-        if result.startup_tensors is None:
-            return result.failed, result.sent
-        from safetensors.torch import save_file
-
-        save_file(result.startup_tensors,
-                  str(Path(self.driver.engine_cfg.model_dir) / "model.safetensors"))
-        try:  # a failure is reported to every rank (push_weights), never left to hang them
-            self.engine = RolloutEngine(self.driver.engine_cfg)
-        except EngineError as exc:
-            return f"engine start-up: {exc}", 0
-        self.engine.assume_version(self.version)
-        rl = self.cfg.rl
-        print(f"rollout engine up in {self.engine.startup_s:.1f}s (vLLM {rl.rollout_dtype}, "
-              f"TP{rl.rollout_tensor_parallel_size})", flush=True)
-        return "", result.sent
-
-    def _restart_engine(self) -> None:
-        if self.engine is None:  # it never started: the next push starts it
-            return
-        self.sync.restarts += 1
-        try:
-            self.engine.restart()
-        except EngineError as exc:  # the next push starts a fresh one from current weights
-            print(f"engine restart failed ({exc}); starting anew at the next push", flush=True)
-            self.engine = None
-
-    # --- rollouts (rank 0 generates; the result is broadcast) ------------------------------
-    def generate(self, requests) -> list:
-        """Completions of ``requests`` (rank 0), restarting + resyncing the engine if needed."""
-        for _ in range(3):
-            done, status = None, ""
-            if self.rank == 0:
-                try:
-                    if self.engine is None:
-                        raise EngineError("the engine is not running")
-                    done = self.engine.generate(requests, self.version)
-                except EngineError as exc:
-                    status = str(exc)
-                    print(f"rollout failed ({status}); restarting the engine", flush=True)
-                    self._restart_engine()
-            flag = torch.tensor([int(bool(status))])
-            dist.broadcast(flag, src=0)
-            if not flag.item():
-                return done
-            self.push_weights()
-        raise RuntimeError("rollouts failed 3 times: see the engine errors above")
+    def generate(self, requests) -> list | None:
+        """Completions of ``requests`` from the engine at ``self.version`` (rank 0)."""
+        return self.link.generate(requests, self.version)
 
     # --- one update ------------------------------------------------------------------------
     def rollout_batch(self, update: int) -> tuple[list[RolloutSample] | None, dict]:
@@ -313,8 +261,7 @@ class RLRun:
         return out[0]
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
+        self.link.close()
         if self.driver is not None:
             self.driver.verifier.close()
 

@@ -12,17 +12,18 @@ from dataclasses import dataclass
 from megatron_logra.config import RLConfig
 from megatron_logra.data.sft import batch_indices
 from megatron_logra.data.tokenizer import TextTokenizer
-from megatron_logra.rl.engine import Completion, SampleRequest
-from megatron_logra.rl.verifiers import RLItem, Verifier
+from megatron_logra.bridge.protocol import Completion, SampleRequest
+from megatron_logra.data.tasks import TaskItem
+from megatron_logra.rl.verifiers import Verifier
 
 
 @dataclass(frozen=True)
 class Prompt:
-    item: RLItem
+    item: TaskItem
     ids: list[int]
 
 
-def encode_prompts(items: list[RLItem], tokenizer: TextTokenizer, max_tokens: int) -> list[Prompt]:
+def encode_prompts(items: list[TaskItem], tokenizer: TextTokenizer, max_tokens: int) -> list[Prompt]:
     """Prompts in the SFT format (``tokenizer.prompt``); those over ``max_tokens`` are dropped
     (the caller refuses a run left with too few)."""
     out = [Prompt(it, tokenizer.encode(tokenizer.prompt(it.question))) for it in items]

@@ -5,7 +5,7 @@
 For each trainer layout of the launch (``LAYOUTS``: bf16 weights, LoGRA in SR mode,
 every sketch target, a bf16 engine of vLLM TP1 (norms trained by Adam) or TP2 (norms
 frozen)): four RL updates, pushed as
-sketch-delta, sparse-delta, sketch-delta, full (the start-up push is full). After
+sparse-delta, sketch-delta, sketch-delta, full (``TRANSPORTS``; the start-up push is full). After
 every push rank 0 compares the engine's held HF tensors with the trainer's weights
 (gathered to HF tensors) element by element, and at the end the logprobs; it checks
 that a delta on the wrong base version is refused with the engine still serving.
@@ -42,7 +42,7 @@ TRANSPORTS = ["sparse-delta", "sketch-delta", "sketch-delta", "full"]
 
 
 def _trainer_hf(run) -> dict[str, torch.Tensor]:
-    from megatron_logra.rl.weight_push import full_push
+    from megatron_logra.bridge.full_weights import full_push
 
     return {n: t for bucket in full_push(run.objs.model, run.objs.arch, run.weights.plan,
                                          dtype=torch.bfloat16) for n, t in bucket}
@@ -58,7 +58,7 @@ def _differing(run) -> list[str] | None:
 
 def _check_layout(argv: list[str]) -> dict:
     from megatron_logra.cli import parse_run_config
-    from megatron_logra.rl.engine import PushRefused
+    from megatron_logra.bridge.protocol import PushRefused
     from megatron_logra.rl.loop import RLRun
     from rl_worker import engine_logprobs, trainer_logprobs
 

@@ -77,7 +77,7 @@ def _transformers_logprobs(folder, weights, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _refused_in_flight(call) -> bool:
-    from megatron_logra.rl.engine import PushInFlight
+    from megatron_logra.bridge.protocol import PushInFlight
 
     try:
         call()
@@ -95,7 +95,8 @@ def case(request, tmp_path_factory):
     from megatron_logra.bridge.sparse_delta import apply_deltas
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.tiny_assets import write_tiny_hf_checkpoint
-    from megatron_logra.rl.engine import EngineConfig, RolloutEngine
+    from megatron_logra.bridge.engine_client import RolloutEngine
+    from megatron_logra.bridge.protocol import EngineConfig
 
     family, tp = CASES[request.param]
     tmp = tmp_path_factory.mktemp(request.param)

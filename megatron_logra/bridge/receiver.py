@@ -1,8 +1,8 @@
 """The engine process's side of delta pushes: check every payload, then hand it to the workers.
 
-Lives in the engine process (``rl.engine``, for an engine started with ``delta_sync``).
-The workers apply deltas in place to vLLM's live, sharded parameters
-(``rl.vllm_ext.WeightReceiver``); an exception inside a worker would kill the engine,
+Lives in the engine process (``engine_server``, for an engine started with
+``delta_sync``). The workers apply deltas in place to vLLM's live, sharded parameters
+(``vllm_worker.VllmWorkerExtension``); an exception inside a worker would kill the engine,
 so everything is checked here first, against the model's HF shapes, and a refusal
 (``PushRefused``) leaves the engine serving its previous version. Full pushes to such an
 engine are copied in place too (``load``), not reloaded through vLLM. Memory: no copy
@@ -17,11 +17,11 @@ from megatron_logra.bridge.sketch_delta import check_updates
 from megatron_logra.bridge.sparse_delta import check_deltas
 from megatron_logra.model.arch import load_arch
 from megatron_logra.model.hf_mapping import hf_param_shapes
-from megatron_logra.rl.engine import PushRefused
+from megatron_logra.bridge.protocol import PushRefused, WorkerRPC, call_workers
 
 
-class DeltaReceiver:
-    """Checks and routes delta pushes; reads the live weights back in HF coordinates."""
+class InPlaceReceiver:
+    """Checks pushes and has every worker apply them in place to its live weights; reads the live weights back in HF coordinates."""
 
     def __init__(self, model_dir: str, dtype: str):
         """model_dir: the engine's start-up folder (config.json)."""
@@ -34,7 +34,7 @@ class DeltaReceiver:
 
     def check_layout(self, llm) -> None:
         """Refuse to start when a worker's parameters are not where deltas would go."""
-        problems = [p for worker in llm.collective_rpc("mlogra_check_layout") for p in worker]
+        problems = [p for worker in call_workers(llm, WorkerRPC.CHECK_LAYOUT) for p in worker]
         if problems:
             raise RuntimeError("in-place weight updates are not possible on this engine: "
                                + "; ".join(problems[:5]))
@@ -50,7 +50,7 @@ class DeltaReceiver:
         """One bucket of a full push, copied in place into every worker's pieces of the live
         parameters (checked first); returns the bytes received."""
         self.check_full(tensors)
-        llm.collective_rpc("mlogra_set", args=(tensors,))
+        call_workers(llm, WorkerRPC.SET, tensors)
         return sum(t.numel() * t.element_size() for _, t in tensors)
 
     def sketch_delta(self, llm, payload) -> int:
@@ -61,9 +61,9 @@ class DeltaReceiver:
             check_updates(self.arch, updates, self.shapes)
         except ValueError as exc:
             raise PushRefused(str(exc)) from None
-        llm.collective_rpc("mlogra_sketch_delta", args=(updates,))
+        call_workers(llm, WorkerRPC.SKETCH_DELTA, updates)
         if full:
-            llm.collective_rpc("mlogra_set", args=([(n, t.to(self.dtype)) for n, t in full],))
+            call_workers(llm, WorkerRPC.SET, [(n, t.to(self.dtype)) for n, t in full])
         return sum(u.nbytes() for u in updates) + sum(t.numel() * t.element_size()
                                                       for _, t in full)
 
@@ -73,20 +73,20 @@ class DeltaReceiver:
             check_deltas(deltas, self.meta)
         except ValueError as exc:
             raise PushRefused(str(exc)) from None
-        llm.collective_rpc("mlogra_sparse_delta", args=(deltas,))
+        call_workers(llm, WorkerRPC.SPARSE_DELTA, deltas)
         return sum(d.nbytes() for d in deltas)
 
     def fingerprints(self, llm, names: list[str]) -> dict[str, float]:
         """``bridge.fingerprint`` of the live HF tensors (the workers' shares added up)."""
         self._check_names(names)
-        shares = llm.collective_rpc("mlogra_fingerprints", args=(names,))
+        shares = call_workers(llm, WorkerRPC.FINGERPRINTS, names)
         return {n: sum(worker[n] for worker in shares) for n in names}
 
     def weights(self, llm, names: list[str]) -> dict[str, torch.Tensor]:
         """The live weights as whole HF tensors, put together from every worker's pieces."""
         self._check_names(names)
         out = {n: torch.full(self.shapes[n], float("nan"), dtype=self.dtype) for n in names}
-        for worker in llm.collective_rpc("mlogra_pieces", args=(names,)):
+        for worker in call_workers(llm, WorkerRPC.PIECES, names):
             for name, row0, row1, col0, values in worker:
                 target = out[name][row0:row1]
                 (target if col0 is None else target[:, col0:col0 + values.shape[1]]).copy_(values)

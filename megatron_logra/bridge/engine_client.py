@@ -1,0 +1,168 @@
+"""The trainer's handle on the rollout engine (``RolloutEngine``, on trainer rank 0 only).
+
+It spawns the engine process (``engine_server.serve``) and talks to it over a pipe
+(``protocol``). Versioning: a weight push is ``load`` per bucket, then
+``commit(version)``. The engine answers ``generate`` only for the version the caller
+expects, and neither ``generate`` nor ``prompt_logprobs`` while a push is in flight
+(``PushInFlight``; both this client and the engine process check). Any other failure
+(a dead child, an RPC error, which kills a vLLM engine for good) raises
+``EngineError`` and the caller restarts the engine and pushes the weights again
+(``RolloutEngine.restart``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+
+import torch
+import torch.multiprocessing as tmp
+
+from megatron_logra.bridge.engine_server import serve
+from megatron_logra.bridge.protocol import (IN_FLIGHT, Command, Completion, EngineConfig,
+                                            EngineError, PushInFlight, PushRefused, Reply,
+                                            SampleRequest)
+
+
+class RolloutEngine:
+    """Client of the engine process (create it on one trainer rank only)."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.restarts = 0
+        self._proc = self._conn = None
+        self.version = 0  # the version committed in the engine (0: the export it started from)
+        self._start()
+
+    def _start(self) -> None:
+        ctx = tmp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        t0 = time.perf_counter()
+        # vLLM's TP executor starts worker processes, which a daemonic process may not: a
+        # TP > 1 engine is not daemonic, and is killed at exit (before multiprocessing
+        # would wait for it); it also exits by itself when this end of the pipe closes
+        daemon = self.cfg.tensor_parallel_size == 1
+        self._proc = ctx.Process(target=serve, args=(child, self.cfg), daemon=daemon)
+        self._proc.start()
+        if not daemon:
+            atexit.register(self._kill)
+        child.close()
+        self._call_raw(None, None, self.cfg.startup_timeout_s)
+        self.startup_s = time.perf_counter() - t0
+        self.version = 0
+
+    def _call_raw(self, command, payload, timeout: float):
+        try:
+            if command is not None:
+                self._conn.send((command, payload))
+            if not self._conn.poll(timeout):
+                raise EngineError(f"engine: no answer to {command or 'startup'} in {timeout} s")
+            status, value = self._conn.recv()
+        except (EOFError, OSError, BrokenPipeError) as exc:
+            raise EngineError(f"engine process died during {command or 'startup'} "
+                              f"({type(exc).__name__}; exit code {self._proc.exitcode})") from None
+        if status == Reply.REFUSED:
+            raise PushRefused(value)
+        if status == Reply.IN_FLIGHT:
+            raise PushInFlight(value)
+        if status != Reply.OK:
+            raise EngineError(value)
+        return value
+
+    def _call(self, command: Command, payload=None):
+        return self._call_raw(command, payload, self.cfg.request_timeout_s)
+
+    # --- weights ---------------------------------------------------------------------------
+    def load(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        """One bucket of full HF-named tensors (engine dtype); returns its bytes."""
+        for name, t in bucket:
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise ValueError(f"weight push: {name} is not a floating-point tensor")
+        self.version = -1
+        return self._call(Command.LOAD, [(n, t.contiguous()) for n, t in bucket])
+
+    def sketch_delta(self, updates: list, full: list[tuple[str, torch.Tensor]], *,
+                     base_version: int, version: int) -> int:
+        """Apply one update's sketch deltas (+ full non-sketched tensors) on top of
+        ``base_version`` and commit ``version``; returns the bytes received. A refusal
+        (``PushRefused``) leaves the engine serving its previous version."""
+        return self._delta(Command.SKETCH_DELTA, (updates, [(n, t.contiguous()) for n, t in full]),
+                           base_version, version)
+
+    def sparse_delta(self, deltas: list, *, base_version: int, version: int) -> int:
+        """Set the changed elements (``bridge.sparse_delta``) on top of ``base_version``
+        and commit ``version``; a refusal leaves the previous version serving."""
+        return self._delta(Command.SPARSE_DELTA, deltas, base_version, version)
+
+    def _delta(self, command: Command, payload, base_version: int, version: int) -> int:
+        if not self.cfg.delta_sync:
+            raise PushRefused(f"{command} needs an engine started with delta_sync")
+        if self.version != base_version:
+            raise PushRefused(f"a delta on version {base_version}, the engine serves "
+                              f"{self.version}: push full weights")
+        sent = self._call(command, payload)
+        self.version = -1
+        self.commit(version)
+        return sent
+
+    def fingerprints(self, names: list[str]) -> dict[str, float]:
+        """``bridge.fingerprint`` of the engine's live weights, in HF coordinates."""
+        return self._call(Command.FINGERPRINTS, names)
+
+    def engine_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The engine's live weights as HF tensors, read back from every vLLM worker
+        (tests: bit-exactness against the trainer)."""
+        return self._call(Command.WEIGHTS, names)
+
+    def commit(self, version: int) -> None:
+        if version < 0:
+            raise ValueError(f"weight push: version {version} must be >= 0")
+        self.version = self._call(Command.COMMIT, version)
+
+    # --- rollouts --------------------------------------------------------------------------
+    def generate(self, requests: list[SampleRequest], expected_version: int) -> list[Completion]:
+        if self.version != expected_version:
+            raise EngineError(f"engine serves weights version {self.version}, the trainer is at "
+                              f"{expected_version}: push before generating")
+        return self._call(Command.GENERATE, requests)
+
+    def prompt_logprobs(self, rows: list[list[int]]) -> list[list[float]]:
+        """log p(row[t] | row[:t]) for t >= 1 under the committed weights."""
+        if self.version < 0:
+            raise PushInFlight(IN_FLIGHT)
+        return self._call(Command.PROMPT_LOGPROBS, rows)
+
+    def assume_version(self, version: int) -> None:
+        """The engine was started from weights the caller wrote for ``version``."""
+        self.version = int(version)
+
+    def engine_version(self) -> int:
+        """The version the engine itself reports (-1 while a push is in flight)."""
+        return self._call(Command.VERSION)
+
+    # --- life cycle ------------------------------------------------------------------------
+    def restart(self) -> None:
+        """Kill the engine process and start a fresh one (version 0: push again)."""
+        self._kill()
+        self.restarts += 1
+        self._start()
+
+    def kill_for_test(self) -> None:
+        """Simulate an engine crash (tests)."""
+        self._proc.kill()
+        self._proc.join(10)
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join(30)
+        self._proc = self._conn = None
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            try:
+                self._call_raw(Command.SHUTDOWN, None, 30)
+            except EngineError:
+                pass
+            self._proc.join(30)
+        self._kill()

@@ -1,0 +1,114 @@
+"""``EngineLink``: the RL loop's one handle on the rollout engine (collective calls).
+
+It owns the engine (trainer rank 0 only: ``engine_client.RolloutEngine``) and the
+trainer's side of weight sync (``sync.WeightSync``), and keeps them serving the
+trainer's weights:
+
+- ``push(version)``: the trainer's weights become ``version`` in the engine. The very
+  first push writes the engine's start-up weights into its folder and starts it from
+  them. A failed push restarts the engine and pushes again (three tries).
+- ``generate(requests, version)``: completions from the engine serving ``version``
+  (rank 0; None elsewhere); a failure restarts the engine, pushes the weights again
+  and retries (three tries).
+If the engine dies or refuses (any vLLM RPC failure kills it), rank 0 restarts it and
+every rank takes part in the push that follows.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_logra.bridge.engine_client import RolloutEngine
+from megatron_logra.bridge.protocol import Completion, EngineConfig, EngineError, SampleRequest
+from megatron_logra.bridge.sync import SyncStats, WeightSync
+
+TRIES = 3
+
+
+class EngineLink:
+    def __init__(self, sync: WeightSync, engine_cfg: EngineConfig | None):
+        """``engine_cfg``: rank 0's engine settings (None on every other rank); its
+        ``model_dir`` holds config and tokenizer, the first push adds the weights."""
+        self.sync, self.engine_cfg = sync, engine_cfg
+        self.rank = dist.get_rank()
+        self.engine: RolloutEngine | None = None  # rank 0, once the first push wrote its weights
+
+    @property
+    def stats(self) -> SyncStats:
+        return self.sync.stats
+
+    def push(self, version: int, transport: str | None = None) -> None:
+        """Push the trainer's weights as ``version``; restart the engine and retry on
+        failure. ``transport`` forces one (tests, benchmarks)."""
+        for _ in range(TRIES):
+            t0 = time.perf_counter()
+            failed, sent = self._push_once(version, transport)
+            flag = torch.tensor([int(bool(failed))])
+            dist.broadcast(flag, src=0)
+            self.stats.seconds += time.perf_counter() - t0
+            if not flag.item():
+                self.stats.bytes += sent
+                self.stats.pushes += 1
+                return
+            if self.rank == 0:
+                print(f"weight push failed ({failed}); restarting the engine", flush=True)
+                self._restart()
+        raise RuntimeError(f"weight push failed {TRIES} times: see the engine errors above")
+
+    def _push_once(self, version: int, transport: str | None) -> tuple[str, int]:
+        """(failure message or "", bytes sent)."""
+        result = self.sync.push(self.engine, version, transport)
+        if result.startup_tensors is None:
+            return result.failed, result.sent
+        from safetensors.torch import save_file
+
+        save_file(result.startup_tensors, str(Path(self.engine_cfg.model_dir) /
+                                              "model.safetensors"))
+        try:  # a failure is reported to every rank (push), never left to hang them
+            self.engine = RolloutEngine(self.engine_cfg)
+        except EngineError as exc:
+            return f"engine start-up: {exc}", 0
+        self.engine.assume_version(version)
+        cfg = self.engine_cfg
+        print(f"rollout engine up in {self.engine.startup_s:.1f}s (vLLM {cfg.dtype}, "
+              f"TP{cfg.tensor_parallel_size})", flush=True)
+        return "", result.sent
+
+    def _restart(self) -> None:
+        if self.engine is None:  # it never started: the next push starts it
+            return
+        self.stats.restarts += 1
+        try:
+            self.engine.restart()
+        except EngineError as exc:  # the next push starts a fresh one from current weights
+            print(f"engine restart failed ({exc}); starting anew at the next push", flush=True)
+            self.engine = None
+
+    def generate(self, requests: list[SampleRequest] | None,
+                 version: int) -> list[Completion] | None:
+        """Completions of ``requests`` (rank 0), restarting and resyncing the engine if needed."""
+        for _ in range(TRIES):
+            done, status = None, ""
+            if self.rank == 0:
+                try:
+                    if self.engine is None:
+                        raise EngineError("the engine is not running")
+                    done = self.engine.generate(requests, version)
+                except EngineError as exc:
+                    status = str(exc)
+                    print(f"rollout failed ({status}); restarting the engine", flush=True)
+                    self._restart()
+            flag = torch.tensor([int(bool(status))])
+            dist.broadcast(flag, src=0)
+            if not flag.item():
+                return done
+            self.push(version)
+        raise RuntimeError(f"rollouts failed {TRIES} times: see the engine errors above")
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()

@@ -1,0 +1,155 @@
+"""The engine process: a real vLLM engine in its own process, answering the trainer's pipe.
+
+Why its own process: vLLM's in-process engine builds its "world" group over every
+rank of an already-initialised torch.distributed job (vllm init_distributed_environment
+calls new_group(range(world_size))), so inside a multi-rank trainer it would hang the
+other ranks. A child process (spawned by trainer rank 0, ``engine_client``; vLLM runs
+in-process inside it: start-up takes seconds, not a minute) has its own world.
+
+``serve(conn, cfg)`` builds vLLM, then answers ``protocol.Command`` messages with a
+``protocol.Reply`` status. An engine started with ``delta_sync`` routes pushes through
+``receiver.InPlaceReceiver`` (checked here, applied in place by the workers);
+otherwise full pushes go through vLLM's ``reload_weights`` on each worker. The engine
+refuses ``generate`` and ``prompt_logprobs`` while a push is in flight (``PushInFlight``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from functools import partial
+
+import torch
+
+from megatron_logra.bridge.protocol import (IN_FLIGHT, LIVE_WEIGHTS_ENV, WORKER_EXTENSION,
+                                            Command, Completion, EngineConfig, PushInFlight,
+                                            PushRefused, Reply, SampleRequest, WorkerRPC,
+                                            call_workers)
+
+
+def serve(conn, cfg: EngineConfig) -> None:
+    """The engine process: build vLLM, then answer (command, payload) messages."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
+    if cfg.delta_sync:
+        from megatron_logra.bridge import vllm_worker
+
+        # workers of other processes read the variable when they import vllm_worker; a
+        # worker in this process (TP 1) finds the module imported already
+        os.environ[LIVE_WEIGHTS_ENV] = "1"
+        vllm_worker.keep_cpu_weights_live()
+    if cfg.tensor_parallel_size > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                              "|".join(str(i) for i in range(cfg.tensor_parallel_size)))
+    try:
+        from vllm import LLM
+
+        llm = LLM(model=cfg.model_dir, dtype=cfg.dtype, enforce_eager=True,
+                  distributed_executor_backend="uni" if cfg.tensor_parallel_size == 1 else "mp",
+                  tensor_parallel_size=cfg.tensor_parallel_size,
+                  max_model_len=cfg.max_model_len, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
+                  # a token budget that never splits a prompt over steps: seeded requests
+                  # fail on CPU when their prefill is chunked ("CPU Generator does not use
+                  # offset"), and the per-sample seeds are what makes rollouts reproducible
+                  max_num_batched_tokens=cfg.max_model_len * cfg.max_num_seqs,
+                  kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30),
+                  logprobs_mode="processed_logprobs",
+                  worker_extension_cls=WORKER_EXTENSION)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        conn.send((Reply.ERROR, f"vLLM failed to start: {type(exc).__name__}: {exc}"))
+        return
+    receiver = None  # an InPlaceReceiver when the engine takes delta pushes
+    if cfg.delta_sync:
+        from megatron_logra.bridge.receiver import InPlaceReceiver
+
+        try:
+            receiver = InPlaceReceiver(cfg.model_dir, cfg.dtype)
+            receiver.check_layout(llm)
+        except (OSError, ValueError, RuntimeError) as exc:
+            conn.send((Reply.ERROR, f"the engine cannot take delta pushes: {exc}"))
+            return
+    conn.send((Reply.OK, "ready"))
+    handlers = {Command.GENERATE: _generate, Command.LOAD: partial(_load, receiver),
+                Command.COMMIT: _commit, Command.VERSION: lambda llm, _: _engine_version(llm),
+                Command.PROMPT_LOGPROBS: _prompt_logprobs}
+    if receiver is not None:
+        handlers.update({Command.SKETCH_DELTA: receiver.sketch_delta,
+                         Command.SPARSE_DELTA: receiver.sparse_delta,
+                         Command.FINGERPRINTS: receiver.fingerprints,
+                         Command.WEIGHTS: receiver.weights})
+    while True:
+        try:
+            command, payload = conn.recv()
+        except EOFError:
+            return
+        if command == Command.SHUTDOWN:
+            conn.send((Reply.OK, None))
+            return
+        if command not in handlers:  # a delta to an engine started without delta_sync
+            conn.send((Reply.REFUSED, f"this engine does not take {command} (start it with "
+                                      f"delta_sync)"))
+            continue
+        try:
+            conn.send((Reply.OK, handlers[command](llm, payload)))
+        except PushRefused as exc:  # nothing was applied: keep serving the previous version
+            conn.send((Reply.REFUSED, str(exc)))
+        except PushInFlight as exc:  # nothing was run: keep going
+            conn.send((Reply.IN_FLIGHT, str(exc)))
+        except Exception as exc:  # noqa: BLE001 - the engine is dead after an RPC failure
+            conn.send((Reply.ERROR, f"{command}: {type(exc).__name__}: {exc}"))
+            return
+
+
+def _generate(llm, requests: list[SampleRequest]) -> list[Completion]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    _require_committed(llm)
+    prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
+    params = [SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature,
+                             top_p=r.top_p, seed=r.seed, logprobs=0) for r in requests]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    done = []
+    for out in outputs:
+        sample = out.outputs[0]
+        ids = list(sample.token_ids)
+        lps = [step[tok].logprob for tok, step in zip(ids, sample.logprobs)]
+        done.append(Completion(ids, lps, sample.finish_reason == "length"))
+    return done
+
+
+def _engine_version(llm) -> int:
+    """The committed version, -1 while a push is in flight on any worker."""
+    return min(call_workers(llm, WorkerRPC.VERSION))
+
+
+def _require_committed(llm) -> None:
+    if _engine_version(llm) < 0:
+        raise PushInFlight(IN_FLIGHT)
+
+
+def _prompt_logprobs(llm, rows: list[list[int]]) -> list[list[float]]:
+    """log p(row[t] | row[:t]) for t >= 1 of fixed token rows (the parity check)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    _require_committed(llm)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params,
+                           use_tqdm=False)
+    return [[entry[tok].logprob for tok, entry in zip(row[1:], out.prompt_logprobs[1:])]
+            for row, out in zip(rows, outputs)]
+
+
+def _load(receiver, llm, bucket: list[tuple[str, torch.Tensor]]) -> int:
+    """One bucket of a full push. An engine started for deltas copies it in place into
+    its live parameters (``InPlaceReceiver.load``); otherwise vLLM's ``reload_weights``."""
+    if receiver is not None:
+        return receiver.load(llm, bucket)
+    return call_workers(llm, WorkerRPC.LOAD, bucket)[0]
+
+
+def _commit(llm, version: int) -> int:
+    got = call_workers(llm, WorkerRPC.COMMIT, version)[0]
+    llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+    return got

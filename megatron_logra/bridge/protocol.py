@@ -1,0 +1,127 @@
+"""What the trainer, the engine process and the vLLM workers say to each other.
+
+Three hops carry a rollout request or a weight push:
+
+    trainer rank 0 (``engine_client.RolloutEngine``)
+        --pipe: (Command, payload) -> (Reply, value)-->
+    engine process (``engine_server.serve``: vLLM's ``LLM`` + ``receiver.InPlaceReceiver``)
+        --vLLM ``collective_rpc(WorkerRPC.X)``-->
+    every vLLM worker (``vllm_worker.VllmWorkerExtension``, one per engine TP rank)
+
+The names of both hops are the enums below; nothing else spells them. Tensors cross
+the pipe through torch.multiprocessing's shared memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class EngineError(RuntimeError):
+    """The engine died or refused a request; restart it and push the weights again."""
+
+
+class PushInFlight(EngineError):
+    """Generation or scoring was asked for while a push is loaded but not committed: the
+    engine would mix two versions, so it refuses (and keeps running); commit the push, or
+    restart the engine and push again."""
+
+
+class PushRefused(ValueError):
+    """A weight push was refused before anything was applied (bad names or shapes, a delta
+    on the wrong base version); the engine still serves its previous version."""
+
+
+IN_FLIGHT = "a weight push is in flight (loaded, not committed): commit it first"
+
+
+class Transport(StrEnum):
+    """How a weight push travels (``--weight-sync``); the values are the flag's choices."""
+
+    FULL = "full"  # every HF tensor, bucketed
+    SPARSE_DELTA = "sparse-delta"  # the engine-dtype elements that changed (exact)
+    SKETCH_DELTA = "sketch-delta"  # LoGRA: D and the projection seed per sketched weight
+
+
+class Command(StrEnum):
+    """Trainer -> engine process, over the pipe."""
+
+    GENERATE = "generate"
+    PROMPT_LOGPROBS = "prompt_logprobs"
+    VERSION = "version"
+    LOAD = "load"  # one bucket of a full push
+    COMMIT = "commit"
+    SKETCH_DELTA = "sketch_delta"
+    SPARSE_DELTA = "sparse_delta"
+    FINGERPRINTS = "fingerprints"
+    WEIGHTS = "weights"  # read the live weights back (tests)
+    SHUTDOWN = "shutdown"
+
+
+class Reply(StrEnum):
+    """Engine process -> trainer: the status of an answer."""
+
+    OK = "ok"
+    REFUSED = "refused"  # PushRefused: nothing applied, previous version still serving
+    IN_FLIGHT = "in_flight"  # PushInFlight: nothing run
+    ERROR = "error"  # the engine is dead (vLLM cannot recover from an RPC failure)
+
+
+class WorkerRPC(StrEnum):
+    """Engine process -> every vLLM worker (``collective_rpc``): the methods of
+    ``vllm_worker.VllmWorkerExtension`` (vLLM refuses extension methods that shadow the
+    Worker's own, hence the prefix). ``vllm_worker`` checks each one exists."""
+
+    LOAD = "mlogra_load"
+    COMMIT = "mlogra_commit"
+    VERSION = "mlogra_version"
+    CHECK_LAYOUT = "mlogra_check_layout"
+    SKETCH_DELTA = "mlogra_sketch_delta"
+    SPARSE_DELTA = "mlogra_sparse_delta"
+    SET = "mlogra_set"
+    FINGERPRINTS = "mlogra_fingerprints"
+    PIECES = "mlogra_pieces"
+
+
+def call_workers(llm, rpc: WorkerRPC, *args) -> list:
+    """Run ``rpc`` on every worker of ``llm`` (vLLM's ``LLM``): one result per worker."""
+    return llm.collective_rpc(rpc.value, args=args)
+
+
+WORKER_EXTENSION = "megatron_logra.bridge.vllm_worker.VllmWorkerExtension"
+LIVE_WEIGHTS_ENV = "MLOGRA_LIVE_WEIGHTS"
+"""Set to "1" before vLLM builds its workers: importing ``vllm_worker`` then keeps the
+CPU linear weights plain and live, so deltas can be applied to them in place."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str  # an HF folder (the policy's export): the engine starts from it
+    max_model_len: int
+    dtype: str = "float32"  # float32 (CPU parity) | bfloat16 (GPU)
+    kv_cache_gib: float = 1.0
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    max_num_seqs: int = 128
+    # accept delta pushes, applied in place to the live weights (on CPU: linear layers keep
+    # plain weights and use F.linear instead of vLLM's packed oneDNN kernels)
+    delta_sync: bool = False
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 1800.0
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]  # log pi_rollout(token | prefix), after temperature
+    truncated: bool  # stopped at max_new_tokens, not at EOS
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    prompt_ids: list[int]
+    seed: int  # one request per sample, each seeded: reproducible whatever the batch
+    max_new_tokens: int
+    temperature: float
+    top_p: float = 1.0  # nucleus sampling (evaluations; training samples the full softmax)

@@ -1,0 +1,195 @@
+"""The trainer side of each weight-sync transport: one class each, every call a collective.
+
+``TrainerWeights`` is what every transport reads: the policy's chunks in the Megatron
+layout, who sends each parameter (``full_weights.plan_push``), the engine dtype, and
+for sparse deltas what each sender last sent. Rank 0 talks to the engine
+(``engine_client.RolloutEngine``, None on every other rank).
+
+- ``FullPush``: every parameter (or some) streamed to rank 0 as HF tensors in buckets,
+  then the commit; before the engine exists the tensors come back for its start-up.
+- ``SparseDeltaPush``: each sender's changed engine-dtype elements against what it last
+  sent (exact); needs a recorded base at the previous version.
+- ``SketchDeltaPush`` (LoGRA): every rank's own rows of D with seeds, plus the unsketched
+  params that train, in full (none when they are frozen, the paper's setting).
+A delta's ``gather`` collects every rank's part on rank 0; ``send`` hands it to the
+engine, which refuses (``PushRefused``, nothing applied) unless it serves the base version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_logra.bridge.fingerprint import same_fingerprint
+from megatron_logra.bridge.full_weights import (full_push, plan_push, sparse_push,
+                                                trainer_fingerprints)
+from megatron_logra.bridge.protocol import EngineError, Transport
+from megatron_logra.bridge.sketch_delta import owned_updates
+from megatron_logra.model.hf_mapping import hf_sources, megatron_param_names
+from megatron_logra.model.provider import canonical_param_names, unwrap
+
+
+@dataclass
+class PushResult:
+    failed: str = ""  # the engine's error ("" when it worked)
+    sent: int = 0  # bytes
+    startup_tensors: dict[str, torch.Tensor] | None = field(default=None)  # rank 0, no engine
+
+
+class TrainerWeights:
+    """The policy's weights as the bridge reads them (built collectively, once per run)."""
+
+    def __init__(self, model_chunks: list, arch, dtype: torch.dtype, bucket_bytes: int):
+        self.model, self.arch, self.dtype, self.bucket_bytes = model_chunks, arch, dtype, bucket_bytes
+        self.rank = dist.get_rank()
+        self.plan = plan_push(model_chunks, arch)
+        self.hf_source = hf_sources(arch)  # HF tensor name -> canonical megatron param
+        # sparse-delta: what each sender last sent (engine dtype), and its version
+        self.shadow: dict[str, torch.Tensor] | None = None
+        self.shadow_version = -1
+
+    def track_changes(self) -> None:
+        """Record what every full push sends (the base of sparse deltas; one engine-dtype
+        copy of the parameters each sender sends). Takes effect at the next full push."""
+        if self.shadow is None:
+            self.shadow = {}
+
+    def buckets(self, names: list[str] | None = None, record: bool = True):
+        """Full HF tensors in buckets on rank 0 (see ``full_weights.full_push``)."""
+        return full_push(self.model, self.arch, self.plan, dtype=self.dtype,
+                         bucket_bytes=self.bucket_bytes, names=names,
+                         shadow=self.shadow if record else None)
+
+    def fingerprints(self) -> dict[str, float]:
+        return trainer_fingerprints(self.model, self.arch, self.plan, dtype=self.dtype)
+
+
+class FullPush:
+    transport = Transport.FULL
+
+    def __init__(self, weights: TrainerWeights):
+        self.weights = weights
+
+    def push(self, engine, version: int, names: list[str] | None = None) -> PushResult:
+        """Every parameter (or ``names``, canonical) in full, then the commit. Without an
+        engine (rank 0, start-up) the tensors come back in ``startup_tensors``."""
+        w = self.weights
+        starting = w.rank == 0 and engine is None
+        out, saved = PushResult(), {}
+        for bucket in w.buckets(names):  # rank 0; the others send inside the generator
+            if starting:
+                saved.update(bucket)
+            elif not out.failed:  # after a failure: drain, the other ranks are still sending
+                try:
+                    out.sent += engine.load(bucket)
+                except (EngineError, ValueError) as exc:
+                    out.failed = str(exc)
+        if w.shadow is not None and names is None:
+            w.shadow_version = version
+        if w.rank != 0:
+            return PushResult()
+        if starting:
+            return PushResult(sent=sum(t.numel() * t.element_size() for t in saved.values()),
+                              startup_tensors=saved)
+        if not out.failed:
+            try:
+                engine.commit(version)
+            except EngineError as exc:
+                out.failed = str(exc)
+        return out
+
+    def resend_mismatches(self, engine, version: int) -> tuple[PushResult, int]:
+        """Compare trainer and engine fingerprints of every HF tensor and resend the
+        mismatching ones in full: (result, number of mismatching tensors)."""
+        w = self.weights
+        mine = w.fingerprints()
+        bad, failed = [[]], ""
+        if w.rank == 0:
+            try:
+                theirs = engine.fingerprints(sorted(mine))
+                bad = [[n for n in sorted(mine) if not same_fingerprint(mine[n], theirs[n])]]
+            except EngineError as exc:
+                bad, failed = [None], str(exc)
+        dist.broadcast_object_list(bad, src=0)
+        if bad[0] is None:
+            return PushResult(failed=failed or "fingerprint check failed"), 0
+        if not bad[0]:
+            return PushResult(), 0
+        if w.rank == 0:
+            print(f"weight sync: fingerprint mismatch in {len(bad[0])} tensors "
+                  f"({bad[0][:3]}...); resending them in full", flush=True)
+        names = sorted({w.hf_source[h] for h in bad[0]})
+        return self.push(engine, version, names=names), len(bad[0])
+
+
+class SparseDeltaPush:
+    transport = Transport.SPARSE_DELTA
+
+    def __init__(self, weights: TrainerWeights):
+        self.weights = weights
+        weights.track_changes()
+
+    def ready(self, version: int) -> bool:
+        """Whether the senders' recorded base is ``version - 1`` (rank 0 decides)."""
+        w = self.weights
+        return w.shadow is not None and w.shadow_version == version - 1
+
+    def gather(self) -> list | None:
+        """Every sender's changed elements, on rank 0 (None elsewhere)."""
+        w = self.weights
+        return _gather_to_rank0(sparse_push(w.model, w.arch, w.plan, dtype=w.dtype,
+                                            shadow=w.shadow))
+
+    def send(self, engine, payload, version: int) -> int:
+        return engine.sparse_delta(payload, base_version=version - 1, version=version)
+
+    def applied(self, version: int) -> None:
+        self.weights.shadow_version = version
+
+
+class SketchDeltaPush:
+    transport = Transport.SKETCH_DELTA
+
+    def __init__(self, weights: TrainerWeights, optimizer):
+        """Collective. ``optimizer``: a ``LograOptimizer`` keeping each update's (D,
+        coefficient, seed) (``keep_updates``, set from ``--weight-sync sketch-delta``)."""
+        if not getattr(optimizer, "keep_updates", False):
+            raise ValueError("sketch-delta weight sync needs a LograOptimizer that keeps its "
+                             "updates (keep_updates): run with --optimizer logra "
+                             "--weight-sync sketch-delta")
+        self.weights, self.optimizer = weights, optimizer
+        names = canonical_param_names(weights.model[0], weights.arch)
+        trained = {names[n] for n, p in unwrap(weights.model[0]).named_parameters()
+                   if p.requires_grad}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, ([s.name for s in optimizer.sketches.slots], trained))
+        sketched = {n for ns, _ in everyone for n in ns}
+        trained = set().union(*(t for _, t in everyone))
+        # the unsketched params that train go in full with each delta; frozen ones
+        # (--logra-untargeted frozen) never change and are not sent
+        self.unsketched = [n for n in megatron_param_names(weights.arch)
+                           if n not in sketched and n in trained]
+
+    def ready(self, version: int) -> bool:
+        return True
+
+    def gather(self):
+        """(every rank's rows of D with seeds, the unsketched tensors) on rank 0."""
+        full = [t for bucket in self.weights.buckets(self.unsketched) for t in bucket]
+        updates = _gather_to_rank0(owned_updates(self.optimizer))
+        return None if updates is None else (updates, full)
+
+    def send(self, engine, payload, version: int) -> int:
+        updates, full = payload
+        return engine.sketch_delta(updates, full, base_version=version - 1, version=version)
+
+    def applied(self, version: int) -> None:
+        pass
+
+
+def _gather_to_rank0(mine: list) -> list | None:
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    return [x for part in everyone for x in part] if everyone is not None else None
