@@ -1,4 +1,4 @@
-"""Predicted-KL step control, the math (logra-method.md section 3); plain torch.
+"""Predicted-KL step control, the math (docs/method.md, section 3); plain torch.
 
 Per probe token, with p = softmax(z / T) over the vocabulary and d = dz / T the tangent
 of the tempered logits along the update:
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_logra.config import KLControlConfig
+from megatron_logra.kl.config import KLControlConfig
 
 
 CHUNK_TOKENS = 256

@@ -1,7 +1,7 @@
 """Predicted-KL control of one RL update on the trainer (``--kl-control predicted``).
 
 Per update: the rollout/trainer mismatch of this batch updates m and the budget; the
-optimizer steps held back (``training/scaled_step``); one forward-mode pass on the
+optimizer steps held back (``kl/scaled_step``); one forward-mode pass on the
 probe responses (the first ``--kl-probe-responses`` of each DP rank, each cut at
 ``--kl-probe-max-tokens`` tokens including its prompt: ``cap_probe``; their generated
 positions) gives K; alpha = min(alpha_max, sqrt(budget / K)) scales the update; a plain
@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_logra.config import KLControlConfig
-from megatron_logra.rl import kl_control
+from megatron_logra.kl import budget as kl_budget
+from megatron_logra.kl.config import KLControlConfig
+from megatron_logra.kl.scaled_step import scaled_optimizer_step
+from megatron_logra.kl.tangent_forward import UpdateTangents, logits_with_tangent
 from megatron_logra.runtime.device import current_device
-from megatron_logra.training.scaled_step import scaled_optimizer_step
-from megatron_logra.training.tangent_forward import UpdateTangents, logits_with_tangent
 
 
 def _global_mean(values: torch.Tensor | None) -> tuple[float, int]:
@@ -65,7 +65,7 @@ def cap_probe(probe: dict[str, torch.Tensor], max_tokens: int) -> dict[str, torc
 class PredictedKLStep:
     def __init__(self, cfg: KLControlConfig, *, temperature: float, vocab_size: int):
         self.cfg, self.temperature, self.vocab_size = cfg, temperature, vocab_size
-        self.controller = kl_control.KLController(cfg)
+        self.controller = kl_budget.KLController(cfg)
         self._old_logits: torch.Tensor | None = None  # probe rows [n, Vp/TP] at the old weights
 
     def _vocab_kwargs(self, local_vocab: int) -> dict:
@@ -82,8 +82,8 @@ class PredictedKLStep:
             logits, tangent = out
             mask = probe["loss_mask"].bool()
             self._old_logits = logits[mask]
-            values = kl_control.fisher_quadratic(self._old_logits, tangent[mask],
-                                                 **self._vocab_kwargs(logits.shape[-1]))
+            values = kl_budget.fisher_quadratic(self._old_logits, tangent[mask],
+                                                **self._vocab_kwargs(logits.shape[-1]))
         k, count = _global_mean(values)
         if count == 0:
             raise RuntimeError("the KL probe holds no generated position: every probe "
@@ -96,8 +96,8 @@ class PredictedKLStep:
         values = None
         if out is not None:
             new = out[0][probe["loss_mask"].bool()]
-            values = kl_control.token_kl(self._old_logits, new,
-                                         **self._vocab_kwargs(new.shape[-1]))
+            values = kl_budget.token_kl(self._old_logits, new,
+                                        **self._vocab_kwargs(new.shape[-1]))
         self._old_logits = None
         return _global_mean(values)[0]
 
@@ -112,7 +112,7 @@ class PredictedKLStep:
 
         def choose_alpha(tangents: UpdateTangents) -> float:
             k = self.quadratic_form(objs.model, probe, tangents)
-            alpha = kl_control.step_scale(k, budget, self.cfg.alpha_max)
+            alpha = kl_budget.step_scale(k, budget, self.cfg.alpha_max)
             record.update(kl_quadratic=k, alpha=alpha, kl_pred=alpha * alpha * k)
             return alpha
 

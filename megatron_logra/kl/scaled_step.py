@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from megatron_logra.kl.step_scale import StepScaler
+from megatron_logra.kl.tangent_forward import UpdateTangents
+from megatron_logra.kl.weight_tangent import low_rank_tangents
 from megatron_logra.logra.optimizer import LograOptimizer
 from megatron_logra.model.provider import unwrap
-from megatron_logra.patches.optimizer_step_scale import StepScaler
-from megatron_logra.training.tangent_forward import UpdateTangents
 
 ChooseAlpha = Callable[[UpdateTangents], float]
 
@@ -49,7 +50,7 @@ def scaled_optimizer_step(optimizer, model_chunks: list,
     chosen: list[float] = []
 
     def scale(stats: dict | None = None) -> float:
-        low_rank = optimizer.low_rank_tangents(stats["c"]) if logra else {}
+        low_rank = low_rank_tangents(optimizer.gather_directions(), stats["c"]) if logra else {}
         alpha = float(choose_alpha(UpdateTangents(dense_tangents, low_rank)))
         if scaler is not None:
             scaler.apply(alpha)

@@ -1,9 +1,19 @@
 """Scaling a megatron-core optimizer's step after it is taken (megatron-core 0.16.x).
 
-What it touches: the inner torch optimizer's parameters (the fp32 main params: shards of
-the param buffer with the distributed optimizer, fp32 copies for bf16 params, the model
-params themselves for fp32 without it), ``_copy_main_params_to_model_params`` and the
-DDP chunks' ``start_param_sync``. Nothing is replaced; no megatron function changes.
+Not a patch: no megatron function is replaced or changed. But it reads megatron-core
+optimizer internals, so it is tied to their layout: ``chained_optimizers`` of a
+``ChainedOptimizer``; of each sub-optimizer the inner torch optimizer's
+``optimizer.param_groups`` (the fp32 main params: shards of the param buffer with the
+distributed optimizer, fp32 copies for bf16 params, the model params themselves for
+fp32 without it) and ``_copy_main_params_to_model_params()``; of
+``Float16OptimizerWithFloat16Params`` ``float16_groups`` / ``fp32_from_float16_groups``;
+of ``DistributedOptimizer`` ``model_float16_groups`` /
+``shard_fp32_from_float16_groups``, ``_get_model_param_range_map(param)["param"]``,
+``data_parallel_group`` and ``model_chunks`` (the DDP chunks' ``start_param_sync``).
+
+Supported: megatron-core 0.16.x (checked against 0.16.1); ``StepScaler`` refuses another
+version (``runtime.versions``, as the patches do; check the attributes above before
+widening its prefix).
 
 Why: predicted-KL control needs the update direction before it is applied, and Adam's
 direction exists only once Adam has stepped (its moments advance once, as usual).
@@ -27,6 +37,8 @@ from __future__ import annotations
 
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from megatron_logra.runtime import versions
 
 
 def _sub_optimizers(optimizer) -> list:
@@ -57,6 +69,7 @@ class StepScaler:
 
     def __init__(self, optimizer, model_params: dict[str, torch.nn.Parameter]):
         """model_params: the stepped model params by name (those that require grad)."""
+        versions.require("megatron-core", "megatron_logra.kl.step_scale")
         self.subs = _sub_optimizers(optimizer)
         self.model_params = model_params
         storages = {p.untyped_storage().data_ptr() for p in model_params.values()}

@@ -2,12 +2,14 @@
 
 ``UpdateTangents`` is one update's direction on this rank: a tangent per dense param
 (the megatron optimizer's step, in the model's layout) and a ``LowRankTangent`` per
-sketched weight (-c D A, never formed). ``logits_with_tangent`` runs one forward of
-this rank's model chunk with ``torch.autograd.forward_ad``: dense params enter as dual
-tensors, sketched layers add -(X A^T)(c D)^T to their outputs, megatron's TP Functions
-carry the tangent through their communication (``patches/forward_ad``). Pipeline
-stages run in order; each sends its hidden state [s, b, h] and that state's tangent to
-the next stage. The probe is small, so there is no microbatch interleaving.
+sketched weight (-c D A, never formed), keyed by its ``SketchSlot``.
+``logits_with_tangent`` runs one forward of this rank's model chunk with
+``torch.autograd.forward_ad``: dense params enter as dual tensors, sketched layers find
+their tangent on their slot (``weight_tangent.active``) and add -(X A^T)(c D)^T to
+their outputs, megatron's TP Functions carry the tangent through their communication
+(``patches/forward_ad``). Pipeline stages run in order; each sends its hidden state
+[s, b, h] and that state's tangent to the next stage. The probe is small, so there is
+no microbatch interleaving.
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch.autograd import forward_ad
 
-from megatron_logra.logra import weight_tangent
-from megatron_logra.logra.weight_tangent import LowRankTangent
+from megatron_logra.kl import weight_tangent
+from megatron_logra.kl.weight_tangent import LowRankTangent
+from megatron_logra.logra.sketched_linear import SketchSlot
 from megatron_logra.model.provider import unwrap
 
 
 @dataclass
 class UpdateTangents:
     dense: dict[str, torch.Tensor] = field(default_factory=dict)  # param name -> tangent
-    low_rank: dict[int, LowRankTangent] = field(default_factory=dict)  # id(SketchSlot) ->
+    low_rank: dict[SketchSlot, LowRankTangent] = field(default_factory=dict)
 
 
 def _hidden_shape(module, batch: dict[str, torch.Tensor]) -> tuple[int, int, int]:

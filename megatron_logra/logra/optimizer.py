@@ -17,7 +17,7 @@ any), then the RowAdam update of every sketched weight, in the reference's order
    (||W|| from the fp32 masters when kept; partial squared norms summed over TP and PP)
    or the scheduler's learning rate;
 5. ``alpha`` = ``scale_fn(stats)`` when ``step_sketches`` is given one (predicted-KL
-   control, ``training/scaled_step``); 1 in ``step()``;
+   control, ``kl/scaled_step``); 1 in ``step()``;
 6. the factor alpha c D is rounded to bf16 (the reference's default;
    ``update_factor_dtype``), then W -= (alpha c D) A in row chunks, in one of the
    precision modes: fp32 params (exact); bf16 params + fp32 master (the master gets
@@ -46,8 +46,8 @@ from megatron.core import parallel_state
 from megatron_logra.logra import row_adam
 from megatron_logra.logra.low_rank_apply import apply_bf16_update
 from megatron_logra.logra.row_shards import RowShard, all_gather_rows, plan_row_shard
+from megatron_logra.logra.sketched_linear import SketchSlot
 from megatron_logra.logra.sketches import SketchSet
-from megatron_logra.logra.weight_tangent import LowRankTangent
 
 MASTER_MODES = ("fp32", "none")
 FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -55,15 +55,18 @@ FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 @dataclass(frozen=True)
 class RowAdamConfig:
-    beta2: float = 0.95
-    eps: float = 1e-8
-    update_ratio: float | None = None  # None: the step is the learning rate
-    master_weights: str = "fp32"  # for bf16 params: "fp32" master copy | "none" (SR)
-    norm_restoration: bool = True  # D_m rescaled to ||S_m|| per HF module
-    update_factor_dtype: str = "bfloat16"  # alpha c D rounded to this before it is applied
+    """Built from ``LograConfig`` (whose fields hold the defaults and their meaning)."""
+
+    beta2: float
+    eps: float
+    update_ratio: float | None  # None: the step is the learning rate
+    master_weights: str  # for bf16 params: "fp32" master copy | "none" (SR)
+    norm_restoration: bool  # D_m rescaled to ||S_m|| per HF module
+    update_factor_dtype: str  # alpha c D rounded to this before it is applied
     chunk_rows: int = row_adam.DEFAULT_CHUNK_ROWS
     shard_over_dp: bool = False  # row-aligned DP sharding (with --use-distributed-optimizer)
     lr: float = 0.0  # the schedule's peak, when no dense optimizer carries param groups
+    keep_updates: bool = False  # keep each update's (D, coefficient, seed): sketch-delta sync
 
 
 @dataclass
@@ -126,7 +129,7 @@ class LograOptimizer:
         self.steps = 0  # RowAdam steps taken (bias correction)
         # (D, coefficient, seed) per weight of the last update, for a receiver (rollout engine,
         # tests); off by default: it holds another out x r fp32 tensor per sketched weight
-        self.keep_updates = False
+        self.keep_updates = cfg.keep_updates
         self.last_updates: dict[str, SketchUpdate] = {}
         self.last_stats: dict[str, float] = {}
         sketches.refresh(0)
@@ -165,16 +168,17 @@ class LograOptimizer:
             return self.last_stats.get("sketch_norm")
         return dense_grad_norm
 
-    def low_rank_tangents(self, coefficient: float) -> dict[int, LowRankTangent]:
-        """During ``scale_fn``: this update's weight tangents -c D A per sketched weight,
-        keyed by id(slot). With DP sharding each rank computed D for its own rows only:
-        the rows are all-gathered into the sketch buffers first (the step reads its own)."""
+    def gather_directions(self) -> list[SketchSlot]:
+        """During ``scale_fn``: the sketched weights' slots, each ``sketch`` holding this
+        update's direction D (all local rows) beside its projection A; the weight tangent
+        is -c D A (``kl/weight_tangent``). With DP sharding each rank computed D for its own
+        rows only: the rows are all-gathered into the sketch buffers first (the step reads
+        its own)."""
         if self.cfg.shard_over_dp:
             group = parallel_state.get_data_parallel_group()
             for slot, shard in zip(self.sketches.slots, self.shards):
                 all_gather_rows(slot.sketch, shard, group)
-        return {id(slot): LowRankTangent(coefficient, slot.sketch, slot.projection)
-                for slot in self.sketches.slots}
+        return list(self.sketches.slots)
 
     # --- RowAdam ---------------------------------------------------------------------------
     def _lr(self) -> float:

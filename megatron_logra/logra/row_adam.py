@@ -1,7 +1,7 @@
 """RowAdam and the low-rank step: pure tensor math, no process groups.
 
 For a sketched weight W (out x in) with sketch S = G A^T (out x r) and projection
-A (r x in) (../shared/notes/logra-method.md, section 2):
+A (r x in) (docs/method.md, section 2):
 
     v_i  <- b2 v_i + (1 - b2) mean_j S_ij^2           one fp32 number per output row
     rho_i = sqrt(v_i / (1 - b2^t))

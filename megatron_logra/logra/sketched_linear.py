@@ -11,6 +11,21 @@ Tensor parallel: a column-parallel rank holds rows of W, so its S rows are the
 global S rows (local). A row-parallel rank holds columns c0:c1 of W and multiplies
 its input slice by A[:, c0:c1]; its S is a partial sum, reduced over the TP group
 once per update (``SketchSet.reduce``), which equals the TP=1 sketch.
+
+megatron-core internals touched (0.16.x, checked against 0.16.1; another version is
+refused by ``runtime.versions`` when the layers are built):
+- ``ColumnParallelLinear._forward_impl`` / ``RowParallelLinear._forward_impl``:
+  overridden in subclasses. Replaces the local matmul between megatron's own TP
+  communication (which stays megatron's); a weight without a slot, or with no grad
+  enabled, runs megatron's matmul unchanged, so outputs are megatron's bit for bit.
+- ``VocabParallelEmbedding.forward``: overridden; the masked lookup and TP all-reduce
+  are megatron's, restated. Reads ``vocab_start_index``, ``vocab_end_index``,
+  ``reduce_scatter_embeddings`` and ``tp_group``.
+- ``__class__`` of the built embedding and output layer (``sketch_embedding_and_output``):
+  they are built by ``GPTModel`` outside the layer spec, so their class is swapped for
+  the sketched subclass, which adds no state (nothing to re-initialise or save).
+- ``weight.logra_slot``: an attribute hung on each sketched weight (``SketchSet``),
+  read only by these layers; megatron never looks at it.
 """
 
 from __future__ import annotations
@@ -27,12 +42,13 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-from megatron_logra.logra import weight_tangent
+from megatron_logra.runtime import versions
 
 
-@dataclass
+@dataclass(eq=False)
 class SketchSlot:
-    """One sketched weight's LoGRA state on this rank (mutable: refreshed every update)."""
+    """One sketched weight's LoGRA state on this rank (mutable: refreshed every update;
+    compared and hashed by identity, so a slot can key a dict)."""
 
     name: str  # canonical, layout-independent (global layer index), e.g. decoder.layers.3.mlp.linear_fc2.weight
     parallel: str  # "column" (rows split over TP) | "row" (columns split over TP)
@@ -44,6 +60,8 @@ class SketchSlot:
     projection: torch.Tensor | None = None  # [r, in_local] this rank's columns of A
     duplicate: bool = False  # the last stage's copy of a tied embedding (PP > 1)
     gated_halves: bool = False  # a gated fc1: local rows are [gate_t; up_t]
+    tangent: object | None = None  # the KL controller's forward-mode tangent of this
+    # weight's update, set only during that pass (its add_to_output / add_to_lookup)
 
 
 class _SketchedMatmul(torch.autograd.Function):
@@ -105,7 +123,7 @@ class SketchedVocabParallelEmbedding(VocabParallelEmbedding):
 
     def forward(self, input_):
         slot: SketchSlot | None = getattr(self.weight, "logra_slot", None)
-        tangent = weight_tangent.tangent_of(slot)
+        tangent = slot.tangent if slot is not None else None
         if tangent is not None:  # forward-mode pass of the KL controller
             return self._forward_with_tangent(input_, tangent)
         if slot is None or slot.projection is None or not torch.is_grad_enabled():
@@ -124,20 +142,17 @@ class SketchedVocabParallelEmbedding(VocabParallelEmbedding):
         return reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
 
     def _forward_with_tangent(self, input_, tangent):
-        """megatron's lookup plus the update's tangent -(c D[ids]) A, reduced over TP."""
+        """megatron's lookup plus the update's tangent -(c D[ids]) A, reduced over TP
+        (``tangent.add_to_lookup``: the object the KL controller put on the slot)."""
+        if self.reduce_scatter_embeddings:
+            raise NotImplementedError("the KL-control tangent pass does not support sequence "
+                                      "parallel")
         out = super().forward(input_)
         ids, mask = input_, None
         if self.tp_group.size() > 1:
             mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
             ids = (input_ - self.vocab_start_index).masked_fill(mask, 0)
-        extra = tangent.lookup_tangent(ids)
-        if mask is not None:
-            extra = extra.masked_fill(mask[..., None], 0.0)
-            dist.all_reduce(extra, group=self.tp_group)
-        if self.reduce_scatter_embeddings:
-            raise NotImplementedError("the KL-control tangent pass does not support sequence "
-                                      "parallel")
-        return weight_tangent.add_tangent(out, extra)  # [b, s, h], as the lookup
+        return tangent.add_to_lookup(out, ids, mask, self.tp_group)  # [b, s, h]
 
 
 class _SketchedMatmulMixin:
@@ -152,10 +167,9 @@ class _SketchedMatmulMixin:
             out = super()._forward_impl(input, weight, *args, bias=bias,
                                         allreduce_dgrad=allreduce_dgrad, tp_group=tp_group,
                                         **kwargs)
-            tangent = weight_tangent.tangent_of(slot)
+            tangent = slot.tangent if slot is not None else None
             if tangent is not None:  # the KL controller's forward-mode pass: + X dW^T
-                out = weight_tangent.add_tangent(
-                    out, tangent.output_tangent(weight_tangent.primal_of(input)))
+                out = tangent.add_to_output(out, input)
             return out
         return _SketchedMatmul.apply(input, weight, bias, slot.projection, slot.sketch,
                                      allreduce_dgrad, tp_group)
@@ -183,6 +197,7 @@ TARGETS = LAYER_TARGETS + ("embedding", "output")
 def sketch_embedding_and_output(model, targets: tuple[str, ...]) -> None:
     """Swap the classes of ``model``'s embedding / output layer for their sketched versions
     (built outside the layer spec; the subclasses add no state, so the swap is safe)."""
+    versions.require("megatron-core", "megatron_logra.logra.sketched_linear")
     tied = model.share_embeddings_and_output_weights
     want_emb = "embedding" in targets or (tied and "output" in targets)
     want_out = "output" in targets or (tied and "embedding" in targets)
@@ -194,6 +209,7 @@ def sketch_embedding_and_output(model, targets: tuple[str, ...]) -> None:
 
 def sketched_layer_spec(spec, targets: tuple[str, ...] = TARGETS):
     """The local GPT layer spec with the chosen linears replaced by their sketched versions."""
+    versions.require("megatron-core", "megatron_logra.logra.sketched_linear")
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown:
         raise ValueError(f"--logra-targets {unknown}: choose from {list(TARGETS)}")

@@ -41,10 +41,12 @@ EMBEDDING = "embedding.word_embeddings.weight"
 
 @dataclass(frozen=True)
 class SketchConfig:
-    rank: int = 256
-    projection: str = "rademacher"  # rademacher | gaussian
-    refresh_interval: int = 1  # new A every N updates
-    seed: int = 0  # base seed of every projection
+    """Built from ``LograConfig`` (whose fields hold the defaults) and the run's seed."""
+
+    rank: int  # r: sketch columns per weight
+    projection: str  # rademacher | gaussian
+    refresh_interval: int  # new A every N updates
+    seed: int  # base seed of every projection
 
 
 def _canonical_rows(module, name: str, out_local: int, tp_rank: int, tp_size: int,

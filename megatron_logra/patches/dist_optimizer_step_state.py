@@ -10,25 +10,22 @@ Fix: copy only the keys the source provides. Results are identical: every key
 that the original copies successfully is copied the same way; ``step`` keeps the
 value that ``load_state_dict`` restored from the common state.
 
-Supported: megatron-core 0.16.x (checked against 0.16.1). Other versions are
-left unpatched (the pinned lock installs 0.16.1); check the contract before
-widening ``SUPPORTED_PREFIX``.
+Supported: megatron-core 0.16.x (checked against 0.16.1); another version is refused
+(``runtime.versions``).
 """
 
 from __future__ import annotations
 
+from megatron_logra.runtime import versions
+
 _APPLIED = False
-SUPPORTED_PREFIX = "0.16."
 
 
 def apply() -> None:
     global _APPLIED
     if _APPLIED:
         return
-    from megatron.core.package_info import __version__ as mcore_version
-
-    if not mcore_version.startswith(SUPPORTED_PREFIX):
-        return
+    versions.require("megatron-core", "megatron_logra.patches.dist_optimizer_step_state")
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = DistributedOptimizer._set_main_param_and_optimizer_states

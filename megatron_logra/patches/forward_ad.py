@@ -15,7 +15,8 @@ nothing else). Each jvp is the linearisation of its forward: a mapping applies t
 communication to the tangent; a linear gives dX W^T + X dW^T + db. Sequence parallel is
 not supported in the tangent pass (an error names it).
 
-Supported: megatron-core 0.16.x (checked against 0.16.1).
+Supported: megatron-core 0.16.x (checked against 0.16.1); another version is refused
+(``runtime.versions``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import functools
 import torch
 from torch.autograd import forward_ad
 
+from megatron_logra.runtime import versions
+
 _APPLIED = False
-SUPPORTED_PREFIX = "0.16."
 
 
 def _forward_ad_active() -> bool:
@@ -64,11 +66,7 @@ def apply() -> None:
     global _APPLIED
     if _APPLIED:
         return
-    from megatron.core.package_info import __version__ as mcore_version
-
-    if not mcore_version.startswith(SUPPORTED_PREFIX):
-        raise RuntimeError(f"megatron_logra.patches.forward_ad supports megatron-core "
-                           f"{SUPPORTED_PREFIX}x, found {mcore_version}")
+    versions.require("megatron-core", "megatron_logra.patches.forward_ad")
     from megatron.core import utils
     from megatron.core.tensor_parallel import layers, mappings
 

@@ -1,9 +1,10 @@
-"""megatron-core 0.16.1 on a machine without CUDA: every shim, in one place.
+"""megatron-core 0.16.x on a machine without CUDA: every shim, in one place.
 
 Applied once by ``runtime.device.init_runtime`` when torch sees no CUDA device,
 and never on CUDA (there each patched call already works). All shims only turn
 calls that would raise "Torch not compiled with CUDA" into their CPU meaning, so
-code that ran before runs unchanged.
+code that ran before runs unchanged. Supported: megatron-core 0.16.x (checked
+against 0.16.1); another version is refused (``runtime.versions``).
 
 Sites covered (paths under ``megatron/core``):
 
@@ -42,6 +43,8 @@ import functools
 import importlib
 
 import torch
+
+from megatron_logra.runtime import versions
 
 _APPLIED = False
 
@@ -131,6 +134,7 @@ def apply_cpu_shims() -> None:
     global _APPLIED
     if _APPLIED or torch.cuda.is_available():
         return
+    versions.require("megatron-core", "megatron_logra.runtime.megatron_shims")
     # torch's ``with torch.device(...)`` mode recognises factories by identity, from a
     # cache it fills on first use: fill it with the originals before wrapping them, or
     # meta-device construction (build_meta_model) silently allocates on CPU instead.

@@ -1,10 +1,11 @@
-"""Tensor/pipeline/data-parallel layout: validated dims and megatron-core bring-up."""
+"""Tensor/pipeline/data-parallel layout: validated dims and megatron-core bring-up.
+
+``ParallelConfig`` imports nothing of megatron (the run config is built before it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core import parallel_state
 
 
 @dataclass(frozen=True)
@@ -12,7 +13,9 @@ class ParallelConfig:
     """Megatron-style layout. Data parallel is what is left: world / (TP * PP)."""
 
     tensor_model_parallel_size: int = 1
+    """TP degree: each linear's weight split over this many ranks."""
     pipeline_model_parallel_size: int = 1
+    """PP degree: the layers split into this many stages."""
 
     def data_parallel_size(self, world_size: int) -> int:
         self.validate(world_size)
@@ -42,6 +45,8 @@ def initialize(cfg: ParallelConfig, world_size: int, seed: int) -> None:
     """Build megatron-core's process groups for ``cfg`` (kept when that layout is already up:
     megatron never frees old groups, and each rebuild makes later group creation slower) and
     seed its RNG tracker."""
+    from megatron.core import parallel_state
+
     cfg.validate(world_size)
     if parallel_state.model_parallel_is_initialized():
         if (parallel_state.get_tensor_model_parallel_world_size()
@@ -60,5 +65,7 @@ def initialize(cfg: ParallelConfig, world_size: int, seed: int) -> None:
 
 
 def teardown() -> None:
+    from megatron.core import parallel_state
+
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -1,11 +1,6 @@
 """Resharding checkpoints with megatron-core dist_checkpointing (torch_dist), written atomically.
 
-Layout::
-
-    SAVE/latest                 text: name of the newest complete checkpoint
-    SAVE/iter_0000010/          dist_checkpointing files + megatron_logra.json
-    SAVE/iter_0000020.partial/  a save in progress (or one that crashed: ignored)
-
+The folder layout (``SAVE/latest``, ``SAVE/iter_*``) is ``model.checkpoint_dir``'s.
 A checkpoint is written into ``*.partial``, renamed when every rank has
 finished, and only then does ``latest`` (replaced atomically) point to it, so a
 crash mid-save leaves the previous checkpoint intact and selected. Model and
@@ -24,40 +19,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from megatron_logra.model.checkpoint_dir import (FORMAT_VERSION, LATEST, META, check_arch,
+                                                 iter_dir_name, model_sharded_state_dict,
+                                                 read_meta, resolve_load_dir)
 from megatron_logra.model.provider import unwrap
 
-LATEST = "latest"
-META = "megatron_logra.json"
-FORMAT_VERSION = 1
 _OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-def iter_dir_name(step: int) -> str:
-    return f"iter_{step:07d}"
-
-
-def resolve_load_dir(path: str | os.PathLike) -> Path:
-    """A checkpoint folder from either SAVE (follows ``latest``) or one ``iter_*`` folder."""
-    root = Path(path)
-    if not root.exists():
-        raise FileNotFoundError(f"{root} does not exist")
-    if (root / META).is_file():
-        return root
-    latest = root / LATEST
-    if latest.is_file():
-        target = root / latest.read_text().strip()
-        if not (target / META).is_file():
-            raise ValueError(f"{latest} points to {target.name}, which is not a complete checkpoint")
-        return target
-    if (root / "config.json").is_file():
-        raise ValueError(f"{root} is an HF model folder, not a Megatron checkpoint: convert it with "
-                         f"'python -m checkpoints_tools.hf_to_megatron --hf-dir {root} --out CKPT' "
-                         f"(the trainer's --load takes it directly)")
-    raise ValueError(f"{root} holds no checkpoint (no {LATEST} file and no {META})")
-
-
-def read_meta(ckpt_dir: str | os.PathLike) -> dict:
-    return json.loads((Path(ckpt_dir) / META).read_text())
 
 
 def _megatron_optimizers(optimizer) -> list:
@@ -74,12 +41,8 @@ def _inner_torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
             if getattr(opt, "optimizer", None) is not None]
 
 
-def _model_sharded_state_dict(model) -> dict:
-    return unwrap(model[0]).sharded_state_dict()
-
-
 def _sharded_state_dict(objs, is_loading: bool, with_optimizer: bool) -> dict:
-    model_sd = _model_sharded_state_dict(objs.model)
+    model_sd = model_sharded_state_dict(objs.model)
     state = {"model": model_sd}
     if with_optimizer:
         state["optimizer"] = objs.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
@@ -133,26 +96,6 @@ def save_checkpoint(save_dir: str | os.PathLike, step: int, objs, extra_state: d
 
 def optimizer_sharding(use_distributed_optimizer: bool) -> str:
     return "distributed" if use_distributed_optimizer else "replicated"
-
-
-def check_arch(meta: dict, arch, ckpt: Path) -> None:
-    saved_arch = meta.get("arch")
-    if saved_arch is not None and saved_arch != arch.to_dict():
-        diff = {k: (saved_arch.get(k), v) for k, v in arch.to_dict().items()
-                if saved_arch.get(k) != v}
-        raise ValueError(f"checkpoint {ckpt} was saved for another model: (saved, now) = {diff}; "
-                         f"pass the --model-dir it was trained with")
-
-
-def load_model_weights(load: str | os.PathLike, model: list, arch) -> dict:
-    """Load only the weights of checkpoint ``load`` into ``model`` (this rank's chunks, any
-    TP/PP layout); returns the checkpoint's meta."""
-    ckpt = resolve_load_dir(load)
-    meta = read_meta(ckpt)
-    check_arch(meta, arch, ckpt)
-    loaded = dist_checkpointing.load({"model": _model_sharded_state_dict(model)}, str(ckpt))
-    unwrap(model[0]).load_state_dict(loaded["model"], strict=True)
-    return meta
 
 
 def load_checkpoint(load: str | os.PathLike, objs, *, weights_only: bool,

@@ -24,6 +24,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_logra.config import OptimizerConfig
+from megatron_logra.logra.model_spec import SketchedLinears
 from megatron_logra.logra.optimizer import LograOptimizer, RowAdamConfig
 from megatron_logra.logra.sketches import SketchConfig, SketchSet, anchor_frozen_embeddings
 from megatron_logra.model.arch import ModelArch
@@ -86,7 +87,8 @@ def build_training_objects(arch: ModelArch, build: ModelBuildConfig, opt: Optimi
     apply_megatron_patches()
     logra = opt.name == "logra"
     if logra:
-        build = replace(build, sketch_targets=opt.logra.targets, use_transformer_engine=False)
+        build = replace(build, customization=SketchedLinears(opt.logra.targets),
+                        use_transformer_engine=False)
     gpt = build_gpt_model(arch, build, seed)
     sketches = None
     frozen = logra and opt.logra.untargeted == "frozen"
@@ -109,7 +111,8 @@ def build_training_objects(arch: ModelArch, build: ModelBuildConfig, opt: Optimi
             master_weights=opt.logra.master_weights,
             norm_restoration=opt.logra.norm_restoration,
             update_factor_dtype=opt.logra.update_factor_dtype,
-            shard_over_dp=opt.use_distributed_optimizer, lr=opt.lr))
+            shard_over_dp=opt.use_distributed_optimizer, lr=opt.lr,
+            keep_updates=opt.logra.keep_updates))
         config.finalize_model_grads_func = partial(_finalize_with_sketches, sketches)
     config.no_sync_func = ddp.no_sync
     config.grad_scale_func = optimizer.scale_loss

@@ -16,12 +16,12 @@ import torch
 def kl_numbers(tp: int, pp: int, optimizer: str, distributed_optimizer: bool,
                world_size: int, bf16: bool = False) -> dict:
     from megatron_logra.config import KLControlConfig, LograConfig, OptimizerConfig
+    from megatron_logra.kl.controller import PredictedKLStep
     from megatron_logra.logra.sketched_linear import TARGETS
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.logits import causal_inputs
     from megatron_logra.model.provider import ModelBuildConfig
     from megatron_logra.model.tiny_assets import EMBEDDED_DEFAULT
-    from megatron_logra.rl.kl_step import PredictedKLStep
     from megatron_logra.runtime.parallel import ParallelConfig, initialize
     from megatron_logra.training.setup import build_training_objects
     from megatron_logra.training.step import forward_backward

@@ -23,20 +23,20 @@ import pytest
 import torch
 
 from megatron_logra.config import KLControlConfig, LograConfig, OptimizerConfig
+from megatron_logra.kl import budget as kl_control
+from megatron_logra.kl.controller import PredictedKLStep, cap_probe
+from megatron_logra.kl.scaled_step import scaled_optimizer_step
+from megatron_logra.kl.tangent_forward import UpdateTangents, logits_with_tangent
 from megatron_logra.logra.optimizer import LograOptimizer
 from megatron_logra.logra.sketched_linear import TARGETS
 from megatron_logra.model.arch import load_arch
 from megatron_logra.model.logits import causal_inputs
 from megatron_logra.model.provider import ModelBuildConfig, unwrap
 from megatron_logra.model.tiny_assets import write_tiny_model_dir
-from megatron_logra.rl import kl_control
-from megatron_logra.rl.kl_step import PredictedKLStep, cap_probe
 from megatron_logra.runtime.device import init_runtime
 from megatron_logra.runtime.parallel import ParallelConfig, initialize
-from megatron_logra.training.scaled_step import scaled_optimizer_step
 from megatron_logra.training.setup import build_training_objects
 from megatron_logra.training.step import forward_backward
-from megatron_logra.training.tangent_forward import UpdateTangents, logits_with_tangent
 
 SEED = 3
 
@@ -156,8 +156,8 @@ def _perturbed_logits(objs, probe, tangents, eps: float) -> torch.Tensor:
     sketched = {}
     for p in params.values():
         slot = getattr(p, "logra_slot", None)
-        if slot is not None and id(slot) in tangents.low_rank:
-            t = tangents.low_rank[id(slot)]
+        if slot is not None and slot in tangents.low_rank:
+            t = tangents.low_rank[slot]
             sketched[id(p)] = (p, -t.coefficient * (t.d @ t.projection))
     with torch.no_grad():
         for n, t in tangents.dense.items():

