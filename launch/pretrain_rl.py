@@ -1,5 +1,8 @@
 """Entry point: ``torchrun [--nproc-per-node N] launch/pretrain_rl.py [flags]``.
 
+It runs post-training (``--stage sft`` or ``--stage rl``), not pretraining: the name is
+the one Megatron-LM users know (``pretrain_gpt.py``) and stays for them.
+
 Parse the flags into a frozen RunConfig (failing fast on bad input), then run
 the requested stage. One process: ``python launch/pretrain_rl.py`` works too.
 
@@ -30,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
         run_rl(cfg)
     else:
-        from megatron_logra.training.trainer import run_sft
+        from megatron_logra.training.sft import run_sft
 
         run_sft(cfg)
     return 0

@@ -27,6 +27,8 @@ from megatron_logra.convert.hf_checkpoint import HFCheckpoint
 from megatron_logra.convert.megatron_dcp import CheckpointReader, checkpoint_layout, write_checkpoint
 from megatron_logra.convert.output_dir import atomic_output_dir
 from megatron_logra.convert.safetensors_io import PlannedTensor, StreamingShardWriter
+from megatron_logra.model.checkpoint_dir import (FORMAT_VERSION, LATEST, META, check_arch,
+                                                 iter_dir_name, read_meta, resolve_load_dir)
 from megatron_logra.model.arch import ModelArch, load_arch
 from megatron_logra.model.hf_mapping import (
     hf_from_megatron,
@@ -74,7 +76,6 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dtype: 
                    overwrite: bool = False, log: Log = _print) -> Path:
     """Convert; returns ``out``. Raises ``CheckpointFormatError``/``UnsupportedModelError``/
     ``OutputExistsError`` (before writing anything) on bad input."""
-    from megatron_logra.training.checkpointing import FORMAT_VERSION, LATEST, META, iter_dir_name
 
     t0 = time.perf_counter()
     arch = load_arch(hf_dir)
@@ -128,7 +129,6 @@ def megatron_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *,
                    overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                    log: Log = _print) -> Path:
     """Export a megatron checkpoint (SAVE dir or one iter_* folder) as an HF folder."""
-    from megatron_logra.training.checkpointing import check_arch, read_meta, resolve_load_dir
 
     t0 = time.perf_counter()
     hf_config_from = Path(hf_config_from)

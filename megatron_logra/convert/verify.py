@@ -106,7 +106,7 @@ def verify_checkpoint(hf_dir: str | Path, ckpt: str | Path, *, tensor_model_para
     from megatron_logra.model.provider import ModelBuildConfig, build_gpt_model
     from megatron_logra.runtime.device import init_runtime
     from megatron_logra.runtime.parallel import ParallelConfig, initialize
-    from megatron_logra.training.checkpointing import load_model_weights, resolve_load_dir
+    from megatron_logra.model.checkpoint_dir import load_model_weights, resolve_load_dir
 
     rt = init_runtime()
     layout = ParallelConfig(tensor_model_parallel_size, pipeline_model_parallel_size)

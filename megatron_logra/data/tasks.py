@@ -1,16 +1,64 @@
-"""reasoning-gym task mixtures: deterministic items with questions and reference answers."""
+"""The task registry: task mixtures by name, and their items with reference answers.
+
+``resolve_tasks("rg-hard")`` / ``resolve_tasks("basic_arithmetic,chain_sum:2")`` /
+``resolve_tasks("math")`` name a mixture of reasoning-gym tasks (or the offline math
+problems); ``generate_items`` makes its items deterministically (codeio in a scratch
+subprocess, its broken items filtered). SFT trains on an item's question and answer;
+RL scores responses against its ``entry`` (``rl.verifiers``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import multiprocessing as mp
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+# The paper's Reasoning-Gym Hard mixture.
+PRESETS = {"rg-hard": ("codeio", "emoji_mystery", "rectangle_count", "word_ladder",
+                       "pool_matrix", "tsumego")}
+MATH = "math"  # math-verify over problems shipped offline (champ-dataset)
+EXCLUDED = {"game_of_life_halting": "its scorer gives any non-empty answer 1.0"}
 
 
 @dataclass(frozen=True)
 class TaskItem:
     task: str
     question: str
-    answer: str
+    answer: str  # the reference answer (SFT target; logs)
     index: int  # position within its task's generated dataset
+    entry: dict = field(default_factory=dict, repr=False)  # what the task's scorer needs (JSON-able)
+
+
+def resolve_tasks(spec: str) -> tuple[tuple[str, float], ...]:
+    """'rg-hard' | 'math' | 'name[:weight],...' -> ((task, weight), ...), names checked."""
+    if spec in PRESETS:
+        return tuple((name, 1.0) for name in PRESETS[spec])
+    import reasoning_gym.factory
+
+    known = set(reasoning_gym.factory.DATASETS)
+    out = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, weight = part.partition(":")
+        if name in EXCLUDED:
+            raise ValueError(f"task {name!r} is excluded: {EXCLUDED[name]}")
+        if name != MATH and name not in known:
+            close = sorted(k for k in known if name[:4] in k)[:5]
+            raise ValueError(f"unknown task {name!r}"
+                             + (f" (did you mean {', '.join(close)}?)" if close else "")
+                             + f": use a reasoning-gym task name (reasoning_gym.factory.DATASETS,"
+                             f" {len(known)} known), a preset ({', '.join(PRESETS)}) or {MATH!r}")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"task weight {weight!r} of {name!r} is not a number") from None
+        if w <= 0:
+            raise ValueError(f"task weight of {name!r} must be > 0, got {w}")
+        out.append((name, w))
+    if not out:
+        raise ValueError(f"no task in {spec!r}")
+    return tuple(out)
 
 
 def mixture_counts(tasks: tuple[tuple[str, float], ...], total: int) -> list[int]:
@@ -24,15 +72,57 @@ def mixture_counts(tasks: tuple[tuple[str, float], ...], total: int) -> list[int
     return counts
 
 
-def generate_items(tasks: tuple[tuple[str, float], ...], total: int, seed: int) -> list[TaskItem]:
-    """``total`` items of the mixture, task by task, each task seeded from ``seed``."""
+def _json_safe(entry: dict) -> dict:
+    return json.loads(json.dumps(entry, default=str))
+
+
+def _reasoning_gym_entries(name: str, count: int, seed: int) -> list[dict]:
     import reasoning_gym
 
+    return [_json_safe(dict(e)) for e in reasoning_gym.create_dataset(name, size=count, seed=seed)]
+
+
+def _generate_in_subprocess(name: str, count: int, seed: int) -> list[dict]:
+    """codeio exec()s its samples while generating: do it in a child process in a scratch dir."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix=f"{name}_gen_") as scratch, ctx.Pool(1) as pool:
+        return pool.apply(_entries_in_dir, (name, count, seed, scratch))
+
+
+def _entries_in_dir(name: str, count: int, seed: int, scratch: str) -> list[dict]:
+    os.chdir(scratch)
+    return _reasoning_gym_entries(name, count, seed)
+
+
+def _math_entries(count: int, seed: int) -> list[dict]:
+    import importlib.util
+    import random
+
+    spec = importlib.util.find_spec("champ_dataset")  # located, never imported
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("task 'math' needs the champ-dataset package: run `make setup`")
+    path = os.path.join(spec.submodule_search_locations[0], "dataset_files", "v0.json")
+    with open(path) as f:
+        problems = list(json.load(f)["problems"].values())
+    random.Random(seed).shuffle(problems)
+    return [{"question": p["_text"] + "\nPut the final answer in \\boxed{}.",
+             "answer": p["_answer"]} for p in problems[:count]]
+
+
+def generate_items(tasks: tuple[tuple[str, float], ...], total: int,
+                   seed: int) -> list[TaskItem]:
+    """``total`` items of the mixture (proportional counts), each task seeded from ``seed``."""
     items: list[TaskItem] = []
     for (name, _), count in zip(tasks, mixture_counts(tasks, total)):
         if count == 0:
             continue
-        dataset = reasoning_gym.create_dataset(name, size=count, seed=seed)
-        for i, entry in enumerate(dataset):
-            items.append(TaskItem(name, str(entry["question"]), str(entry["answer"]), i))
+        if name == MATH:
+            entries = _math_entries(count, seed)
+        elif name == "codeio":  # ~1% of its items failed to run: their answer is "{}"
+            entries = [e for e in _generate_in_subprocess(name, count, seed)
+                       if str(e["answer"]).strip() != "{}"]
+        else:
+            entries = _reasoning_gym_entries(name, count, seed)
+        items += [TaskItem(name, str(e["question"]), str(e["answer"]), i, e)
+                  for i, e in enumerate(entries)]
     return items

@@ -12,18 +12,30 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import ModuleSpec, TransformerConfig
 
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.sharding import canonical_name, shard_of_full, tp_split
+from megatron_logra.runtime import versions
 from megatron_logra.runtime.device import current_device
+
+
+class ModelCustomization(Protocol):
+    """What a feature may change in the network; the builder applies it and knows nothing
+    else of the feature. It builds on megatron-core's local (non-TE) layer spec."""
+
+    def layer_spec(self, local_spec: ModuleSpec) -> ModuleSpec:
+        """The transformer layer spec to build, from megatron-core's local one."""
+
+    def after_build(self, model: GPTModel) -> None:
+        """Adjust the built stage (embedding, output layer) in place."""
 
 
 @dataclass(frozen=True)
@@ -33,7 +45,8 @@ class ModelBuildConfig:
     bf16: bool = False  # bf16 params (else fp32)
     recompute_activations: bool = False  # full activation recompute, one layer per chunk
     use_transformer_engine: bool | None = None  # None: TE spec when on CUDA and TE imports
-    sketch_targets: tuple[str, ...] = ()  # LoGRA: linears whose weight gradient is sketched
+    customization: ModelCustomization | None = None
+    """A feature's change to the layers (LoGRA: ``logra.model_spec.SketchedLinears``)."""
 
 
 def transformer_engine_available() -> bool:
@@ -89,16 +102,14 @@ def transformer_config(arch: ModelArch, build: ModelBuildConfig) -> TransformerC
 
 
 def layer_spec(arch: ModelArch, build: ModelBuildConfig):
-    if build.sketch_targets:  # LoGRA's sketched linears subclass the local (non-TE) layers
+    if build.customization is not None:
         if build.use_transformer_engine:
-            raise ValueError("LoGRA's sketched linears subclass megatron-core's local "
-                             "Column/RowParallelLinear: build with use_transformer_engine=False "
-                             "(the trainer does this for --optimizer logra)")
-        from megatron_logra.logra.sketched_linear import sketched_layer_spec
-
-        return sketched_layer_spec(
-            get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm"),
-            build.sketch_targets)
+            raise ValueError("a customised model (LoGRA's sketched linears) builds on "
+                             "megatron-core's local Column/RowParallelLinear: build with "
+                             "use_transformer_engine=False (the trainer does this for "
+                             "--optimizer logra)")
+        return build.customization.layer_spec(
+            get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm"))
     use_te = build.use_transformer_engine
     if use_te is None:
         use_te = transformer_engine_available()
@@ -127,10 +138,8 @@ def _construct(arch: ModelArch, build: ModelBuildConfig) -> GPTModel:
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
     _mark_tensor_parallel_params(model)
-    if build.sketch_targets:
-        from megatron_logra.logra.sketched_linear import sketch_embedding_and_output
-
-        sketch_embedding_and_output(model, build.sketch_targets)
+    if build.customization is not None:
+        build.customization.after_build(model)
     return model
 
 
@@ -153,7 +162,13 @@ def _mark_tensor_parallel_params(model: GPTModel) -> None:
     """Set the TP attributes megatron-core 0.16.1 sets only inside
     ``_initialize_affine_weight_*`` (skipped with perform_initialization=False, which we
     use because init_weights() initialises layout-independently). Without them DDP, the
-    grad norm and the optimizer would treat every shard as a TP duplicate."""
+    grad norm and the optimizer would treat every shard as a TP duplicate.
+
+    megatron-core internal touched: the ``tensor_model_parallel``, ``partition_dim`` and
+    ``partition_stride`` attributes megatron hangs on parameters (via
+    ``set_tensor_model_parallel_attributes``, megatron's own setter); the values are the
+    ones megatron's initialiser would set, so nothing downstream changes."""
+    versions.require("megatron-core", "megatron_logra.model.provider")
     from megatron.core.tensor_parallel import (
         ColumnParallelLinear,
         RowParallelLinear,

@@ -33,7 +33,7 @@ def _run_case(case: dict, world_size: int, device: torch.device, reference: dict
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.provider import ModelBuildConfig, build_gpt_model
     from megatron_logra.runtime.parallel import ParallelConfig, initialize
-    from megatron_logra.training.checkpointing import load_model_weights, resolve_load_dir
+    from megatron_logra.model.checkpoint_dir import load_model_weights, resolve_load_dir
 
     arch = load_arch(case["hf_dir"])
     initialize(ParallelConfig(case["tp"], case["pp"]), world_size, seed=0)
@@ -55,7 +55,7 @@ def main() -> None:
     plan = json.loads(Path(sys.argv[1]).read_text())
     from megatron_logra.cli import parse_run_config
     from megatron_logra.runtime.device import init_runtime
-    from megatron_logra.training.trainer import run_sft
+    from megatron_logra.training.sft import run_sft
 
     rt = init_runtime()
     out = Path(plan["out"])

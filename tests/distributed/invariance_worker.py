@@ -31,7 +31,8 @@ def main() -> None:
     from megatron_logra.cli import parse_run_config
     from megatron_logra.model.gather import gather_full_state_dict
     from megatron_logra.runtime.device import init_runtime
-    from megatron_logra.training.trainer import prepare_training, run_sft
+    from megatron_logra.training.prepare import prepare_training
+    from megatron_logra.training.sft import run_sft
 
     rt = init_runtime()
     out = Path(plan["out"])

@@ -62,7 +62,7 @@ def _write_naive_qkv_checkpoint(hf: Path, out: Path) -> None:
     from megatron_logra.convert.pipeline import _init_single_process
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.hf_mapping import megatron_from_hf
-    from megatron_logra.training.checkpointing import FORMAT_VERSION, LATEST, META
+    from megatron_logra.model.checkpoint_dir import FORMAT_VERSION, LATEST, META
 
     arch = load_arch(hf)
     source = HFCheckpoint(hf, arch)

@@ -38,7 +38,7 @@ def _trainer_logprobs(ckpt: Path, hf: Path, tokens: torch.Tensor) -> torch.Tenso
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.logits import model_logits
     from megatron_logra.model.provider import ModelBuildConfig, build_gpt_model
-    from megatron_logra.training.checkpointing import load_model_weights, resolve_load_dir
+    from megatron_logra.model.checkpoint_dir import load_model_weights, resolve_load_dir
 
     arch = load_arch(hf)
     _init_single_process()

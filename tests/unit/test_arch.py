@@ -1,3 +1,14 @@
+"""HF config.json -> ``ModelArch`` (``model/arch.py``), against hand-written expectations.
+
+Llama, Qwen2 (qkv bias) and Qwen3 (q/k norm, head_dim != hidden / heads) parse to the
+right fields and fused-qkv row count; the padded vocab (a multiple of 128) does not
+depend on TP; transformers 5's ``rope_parameters`` and Llama-3 rope scaling with
+megatron-core's fixed factors are read. Every unsupported config (other families, MoE,
+sliding windows, other activations or rope scalings, kv heads not dividing heads) is
+refused naming the offending field, as are layouts the model cannot take (heads or
+layers not divisible by TP / PP); kv heads fewer than TP are allowed.
+"""
+
 import json
 
 import pytest

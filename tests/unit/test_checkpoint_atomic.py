@@ -16,7 +16,7 @@ def _cfg(tmp_path, *extra):
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
-    from megatron_logra.training.trainer import run_sft
+    from megatron_logra.training.sft import run_sft
 
     result = run_sft(_cfg(tmp_path))
     ck = tmp_path / "ck"
@@ -42,7 +42,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def test_resume_refuses_other_optimizer_sharding(tmp_path):
-    from megatron_logra.training.trainer import run_sft
+    from megatron_logra.training.sft import run_sft
 
     run_sft(_cfg(tmp_path))
     with pytest.raises(ValueError, match="resume without --use-distributed-optimizer"):
@@ -52,7 +52,7 @@ def test_resume_refuses_other_optimizer_sharding(tmp_path):
 
 def test_checkpoint_for_another_model_is_refused(tmp_path):
     from megatron_logra.model.tiny_assets import write_tiny_model_dir
-    from megatron_logra.training.trainer import run_sft
+    from megatron_logra.training.sft import run_sft
 
     run_sft(_cfg(tmp_path))
     other = write_tiny_model_dir(tmp_path / "other", num_layers=2)

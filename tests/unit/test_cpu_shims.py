@@ -1,3 +1,12 @@
+"""The CPU shims for megatron-core (``runtime/megatron_shims.py``), skipped when CUDA exists.
+
+On CPU, megatron's ``device="cuda"`` requests (tensors, ``pin_memory``, ``.cuda()``)
+land on CPU while ``torch.cuda.is_available()`` stays False, so megatron keeps its CPU
+branches; tensors report CUDA type names only inside the patched megatron calls; the
+CUDA RNG tracker forks and restores the CPU generator state, drawing from the tracked
+seed as ``torch.manual_seed`` would.
+"""
+
 import pytest
 import torch
 

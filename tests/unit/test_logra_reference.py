@@ -195,7 +195,7 @@ def _module_change_per_sketch_norm(model_dir, tmp_path, restore: bool, monkeypat
     ||dW_m|| / (||S_m|| sqrt(in_m)) (dW = D A with A A^T ~ (in / r) I), and the change
     against the restatement on the captured sketches."""
     from megatron_logra.logra.optimizer import LograOptimizer
-    from megatron_logra.training import trainer
+    from megatron_logra.training import prepare, sft
 
     captured = {}
     original = LograOptimizer._directions
@@ -209,7 +209,7 @@ def _module_change_per_sketch_norm(model_dir, tmp_path, restore: bool, monkeypat
 
     monkeypatch.setattr(LograOptimizer, "_directions", capture)
     built = {}
-    build = trainer.build_training_objects
+    build = prepare.build_training_objects
 
     def keep(*args, **kwargs):
         built["objs"] = build(*args, **kwargs)
@@ -217,14 +217,14 @@ def _module_change_per_sketch_norm(model_dir, tmp_path, restore: bool, monkeypat
                            unwrap(built["objs"].model[0]).named_parameters()}
         return built["objs"]
 
-    monkeypatch.setattr(trainer, "build_training_objects", keep)
+    monkeypatch.setattr(prepare, "build_training_objects", keep)
     argv = ["--model-dir", str(model_dir), "--optimizer", "logra", "--logra-rank", "16",
             "--train-iters", "1", "--global-batch-size", "8", "--micro-batch-size", "4",
             "--seq-length", "64", "--dataset-size", "64", "--seed", str(SEED),
             "--output-dir", str(tmp_path / ("on" if restore else "off"))]
     if not restore:
         argv.append("--no-logra-norm-restoration")
-    trainer.run_sft(parse_run_config(argv, world_size=1))
+    sft.run_sft(parse_run_config(argv, world_size=1))
     arch = load_arch(model_dir)
     objs = built["objs"]
     sk = objs.optimizer.sketches

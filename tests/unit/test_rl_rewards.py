@@ -9,8 +9,10 @@ import torch
 
 from fake_scorers import misbehaving
 from megatron_logra.rl import advantages as adv
-from megatron_logra.rl.verifiers import (PRESETS, RLItem, Verifier, VerifierConfig,
-                                         extract_answer, generate_rl_items, resolve_tasks)
+from megatron_logra.data.tasks import PRESETS, resolve_tasks
+from megatron_logra.data.tasks import TaskItem as RLItem
+from megatron_logra.data.tasks import generate_items as generate_rl_items
+from megatron_logra.rl.verifiers import Verifier, VerifierConfig, extract_answer
 
 
 def test_task_specs_resolve_presets_weights_and_math():
@@ -49,7 +51,7 @@ def test_reasoning_gym_and_math_answers_are_scored_by_their_own_scorers(verifier
 
 
 def test_partial_credit_and_binary_threshold():
-    item = RLItem("fake", "q", "a", {}, 0)
+    item = RLItem("fake", "q", "a", 0, {})
     binary = Verifier(VerifierConfig(timeout_s=20.0), score_fn=misbehaving)
     partial = Verifier(VerifierConfig(reward="partial", timeout_s=20.0), score_fn=misbehaving)
     try:
@@ -63,7 +65,7 @@ def test_partial_credit_and_binary_threshold():
 
 
 def test_hanging_crashing_and_raising_scorers_cost_one_zero_reward_each():
-    item = RLItem("fake", "q", "a", {}, 7)
+    item = RLItem("fake", "q", "a", 7, {})
     v = Verifier(VerifierConfig(timeout_s=3.0), score_fn=misbehaving)
     try:
         assert v.score(item, "1.0").reward == 1.0  # also warms the child up

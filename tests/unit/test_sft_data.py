@@ -1,3 +1,13 @@
+"""SFT data (``data/sft.py``, ``data/tasks.py``, ``data/tokenizer.py``) against hand-built cases.
+
+Collation shifts labels by one, masks the loss to the answer tokens (and EOS) only,
+pads and truncates to ``--seq-length`` and builds a causal mask; encoding applies the
+chat template and appends EOS; the sample order is a function of the step (each epoch
+covers every sample once) and DP ranks partition the global batch exactly; task
+mixtures follow their weights and reasoning-gym items are deterministic per seed; a
+sentencepiece ``tokenizer.model`` round-trips text and is picked up from a folder.
+"""
+
 import pytest
 import torch
 

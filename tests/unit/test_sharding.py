@@ -1,3 +1,11 @@
+"""Pure TP slicing rules and layout-independent names (``model/sharding.py``).
+
+Slicing a full tensor into TP shards and joining them back is the identity (rows or
+columns, stride 1 or 2); stride 2 gives each rank its own gate and up rows of fc1, as
+megatron lays them out; a split that does not divide is refused; parameter names map
+to the same canonical (TP=1, PP=1) name from any pipeline stage and wrapper.
+"""
+
 import pytest
 import torch
 

@@ -1,3 +1,10 @@
+"""The embedded tiny model folder (``megatron_logra/assets/tiny-llama``) and its tokenizer.
+
+The committed folder equals what ``write_tiny_model_dir`` generates, file for file; the
+byte-level tokenizer round-trips any UTF-8 text (one id per byte, fixed special ids);
+its chat template is ChatML, with special tokens as single ids.
+"""
+
 import filecmp
 
 from megatron_logra.data.tokenizer import load_tokenizer
