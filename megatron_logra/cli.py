@@ -20,6 +20,7 @@ from megatron_logra.config import (CheckpointConfig, DataConfig, ModelSource, Op
 from megatron_logra.flags import FlagError, add_flags, from_flags
 from megatron_logra.kl.config import KLControlConfig
 from megatron_logra.logra.config import LograConfig
+from megatron_logra.lora.config import LoraConfig
 from megatron_logra.model.tiny_assets import EMBEDDED_DEFAULT
 from megatron_logra.rl.config import RLConfig
 from megatron_logra.runtime.parallel import ParallelConfig
@@ -31,6 +32,7 @@ FLAG_GROUPS = (
     (TrainingConfig, "", "training"),
     (OptimizerConfig, "", "optimizer"),
     (LograConfig, "logra-", "LoGRA (--optimizer logra)"),
+    (LoraConfig, "lora-", "LoRA (--peft lora)"),
     (DataConfig, "", "data"),
     (RLConfig, "", "RL (--stage rl): rollouts, rewards, evaluation"),
     (WeightSyncConfig, "weight-sync-", "weight sync to the rollout engine (--stage rl)"),
@@ -114,6 +116,22 @@ def _check_optimizer(opt: OptimizerConfig, training: TrainingConfig) -> None:
         raise ConfigError("--adam-beta1/--adam-beta2 must lie in [0, 1)")
     if opt.name == "logra":
         _check_logra(opt.logra, training)
+    if opt.peft == "lora":
+        _check_lora(opt)
+
+
+def _check_lora(opt: OptimizerConfig) -> None:
+    from megatron_logra.lora.layers import TARGETS
+
+    if opt.name != "adam":
+        raise ConfigError(f"--peft lora trains its adapters with Adam: use --optimizer adam "
+                          f"(not {opt.name}); LoGRA and LoRA are alternatives")
+    unknown = [t for t in opt.lora.targets if t not in TARGETS]
+    if unknown or not opt.lora.targets:
+        raise ConfigError(f"--lora-targets {','.join(opt.lora.targets)!r}: choose a comma list "
+                          f"from {','.join(TARGETS)}")
+    if opt.lora.dropout >= 1:
+        raise ConfigError(f"--lora-dropout {opt.lora.dropout} must be in [0, 1)")
 
 
 def _check_logra(lg: LograConfig, training: TrainingConfig) -> None:
@@ -159,7 +177,8 @@ def _flags_to_configs(args: argparse.Namespace) -> dict:
         logra = from_flags(LograConfig, args, "logra-", keep_updates=(
             training.stage == "rl" and rl.sync.transport == "sketch-delta"))
         return dict(parallel=from_flags(ParallelConfig, args), training=training,
-                    optimizer=from_flags(OptimizerConfig, args, logra=logra), rl=rl,
+                    optimizer=from_flags(OptimizerConfig, args, logra=logra,
+                                         lora=from_flags(LoraConfig, args, "lora-")), rl=rl,
                     checkpoint=from_flags(CheckpointConfig, args))
     except FlagError as exc:
         raise ConfigError(str(exc)) from None
@@ -210,6 +229,8 @@ def parse_run_config(argv: list[str] | None = None, world_size: int | None = Non
         _check_logra_fits(optimizer.logra, arch, parallel)
     else:
         optimizer = replace(optimizer, logra=LograConfig())
+    if optimizer.peft != "lora":
+        optimizer = replace(optimizer, lora=LoraConfig())
     return RunConfig(
         model=from_flags(ModelSource, args, model_dir=model_dir),
         output_dir=args.output_dir, parallel=parallel, optimizer=optimizer, training=training,

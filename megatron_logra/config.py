@@ -1,7 +1,7 @@
 """Typed, frozen run configuration: built once from the CLI (``megatron_logra.cli``).
 
 Each component owns its config dataclass (``logra.config.LograConfig``,
-``rl.config.RLConfig``, ``kl.config.KLControlConfig``, ``bridge.config.WeightSyncConfig``,
+``lora.config.LoraConfig``, ``rl.config.RLConfig``, ``kl.config.KLControlConfig``, ``bridge.config.WeightSyncConfig``,
 ``runtime.parallel.ParallelConfig``); this module holds the trainer's own and composes
 them into ``RunConfig``. A field is its flag: its default, its meaning (the string under
 it) and its checks build the command line (``flags``). Each component receives only its
@@ -16,6 +16,7 @@ from typing import Literal
 from megatron_logra.flags import flag_spec
 from megatron_logra.kl.config import KLControlConfig  # noqa: F401 - the run's sub-configs
 from megatron_logra.logra.config import LograConfig
+from megatron_logra.lora.config import LoraConfig
 from megatron_logra.rl.config import RLConfig
 from megatron_logra.runtime.parallel import ParallelConfig
 
@@ -57,7 +58,11 @@ class OptimizerConfig:
     """Global grad-norm clip; 0 disables clipping (it never zeroes grads)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state and fp32 master weights over data parallel."""
+    peft: Literal["none", "lora"] = "none"
+    """Parameter-efficient fine-tuning: lora trains low-rank adapters (--lora-*) on the
+    frozen base with --optimizer adam."""
     logra: LograConfig = field(default_factory=LograConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(frozen=True)

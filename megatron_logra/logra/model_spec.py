@@ -23,3 +23,6 @@ class SketchedLinears:
 
     def after_build(self, model) -> None:
         sketch_embedding_and_output(model, self.targets)
+
+    def init_params(self, model, arch, seed: int) -> None:
+        pass  # the sketched layers add no parameters

@@ -22,6 +22,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import ModuleSpec, TransformerConfig
 
 from megatron_logra.model.arch import ModelArch
+from megatron_logra.model.hf_mapping import megatron_param_names
 from megatron_logra.model.sharding import canonical_name, shard_of_full, tp_split
 from megatron_logra.runtime import versions
 from megatron_logra.runtime.device import current_device
@@ -36,6 +37,10 @@ class ModelCustomization(Protocol):
 
     def after_build(self, model: GPTModel) -> None:
         """Adjust the built stage (embedding, output layer) in place."""
+
+    def init_params(self, model: GPTModel, arch: ModelArch, seed: int) -> None:
+        """Initialise the parameters the feature added (the base model's are set by
+        ``init_weights`` or loaded), layout-independently from ``seed``."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,8 @@ def build_gpt_model(arch: ModelArch, build: ModelBuildConfig, seed: int) -> GPTM
     model = _construct(arch, build)
     model.to(current_device())
     init_weights(model, arch, seed)
+    if build.customization is not None:
+        build.customization.init_params(model, arch, seed)
     return model
 
 
@@ -267,11 +274,16 @@ rank's shard (what ``shard_of_full`` would cut from the full tensor)."""
 
 @torch.no_grad()
 def assign_shard_values(model: torch.nn.Module, arch: ModelArch, shard_value: ShardValue) -> None:
-    """Set every local parameter to ``shard_value(...)`` (checked against the local shape)."""
+    """Set every local parameter of the base model (``hf_mapping.megatron_param_names``) to
+    ``shard_value(...)`` (checked against the local shape). Parameters a customization
+    added (LoRA's adapters) are the customization's to set (``init_params``)."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     names = canonical_param_names(model, arch)
+    base = set(megatron_param_names(arch))
     for local_name, param in unwrap(model).named_parameters():
+        if names[local_name] not in base:
+            continue
         split = tp_split(param)
         value = shard_value(names[local_name], global_shape(param), split, tp_rank, tp_size)
         if value.shape != param.shape:

@@ -9,6 +9,10 @@ differentiable so the backward still runs), or trained by megatron's Adam
 ``--use-distributed-optimizer`` it shards the sketched weights' row states and masters
 over DP by whole rows). Megatron's ``finalize_model_grads`` is followed by the
 sketches' TP/DP reduction and per-token scaling.
+
+LoRA (``--peft lora``): the model is built with the LoRA layer spec, every base
+parameter is frozen, and megatron's Adam (distributed optimizer included) trains the
+adapters only.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from megatron_logra.config import OptimizerConfig
 from megatron_logra.logra.model_spec import SketchedLinears
 from megatron_logra.logra.optimizer import LograOptimizer, RowAdamConfig
 from megatron_logra.logra.sketches import SketchConfig, SketchSet, anchor_frozen_embeddings
+from megatron_logra.lora.model_spec import LoraAdapters
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.provider import ModelBuildConfig, build_gpt_model
 from megatron_logra.patches import apply_all as apply_megatron_patches
@@ -85,11 +90,17 @@ def _finalize_with_sketches(sketches, model, num_tokens, **kwargs):
 def build_training_objects(arch: ModelArch, build: ModelBuildConfig, opt: OptimizerConfig,
                            *, seed: int, train_iters: int) -> TrainingObjects:
     apply_megatron_patches()
-    logra = opt.name == "logra"
+    logra, lora = opt.name == "logra", opt.peft == "lora"
     if logra:
         build = replace(build, customization=SketchedLinears(opt.logra.targets),
                         use_transformer_engine=False)
+    if lora:
+        build = replace(build, customization=LoraAdapters(opt.lora),
+                        use_transformer_engine=False)
     gpt = build_gpt_model(arch, build, seed)
+    if lora:  # the base is frozen: DDP and Adam see the adapters only
+        for name, param in gpt.named_parameters():
+            param.requires_grad_(name.endswith((".lora_a", ".lora_b")))
     sketches = None
     frozen = logra and opt.logra.untargeted == "frozen"
     if logra:

@@ -40,6 +40,7 @@ EXPECTED_FLAGS = {
     "--sync-bucket-mb", "--kl-control", "--kl-budget", "--kl-budget-final", "--kl-budget-steps",
     "--kl-alpha-max", "--kl-probe-responses", "--kl-probe-max-tokens", "--weight-sync", "--weight-sync-anchor-interval",
     "--weight-sync-verify-interval",
+    "--peft", "--lora-rank", "--lora-alpha", "--lora-dropout", "--lora-targets",
 }
 
 
@@ -113,6 +114,10 @@ def test_valid_command_line_gives_frozen_config():
     (["--optimizer", "logra", "--logra-beta2", "1.0"], 1, r"--logra-beta2 1.0 must be in \[0, 1\)"),
     (["--optimizer", "logra", "--logra-update-ratio", "-1"], 1, "must be > 0"),
     (["--optimizer", "logra", "--logra-master-weights", "none"], 1, "add --bf16"),
+    (["--peft", "lora", "--optimizer", "logra"], 1, "use --optimizer adam"),
+    (["--peft", "lora", "--lora-targets", "qkv,embedding"], 1, "--lora-targets"),
+    (["--peft", "lora", "--lora-rank", "0"], 1, "--lora-rank must be >= 1"),
+    (["--peft", "lora", "--lora-dropout", "1"], 1, r"--lora-dropout 1.0 must be in \[0, 1\)"),
 ])
 def test_bad_command_lines_name_problem_and_fix(argv, world, match):
     with pytest.raises(ConfigError, match=match):
@@ -201,3 +206,14 @@ def test_launcher_fails_fast_with_exit_code_2(tmp_path):
     assert "--nproc-per-node" in proc.stderr  # the fix
     assert time.time() - start < 60
     assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_lora_flags_give_its_config():
+    cfg = parse_run_config(["--peft", "lora", "--lora-rank", "32", "--lora-alpha", "64",
+                            "--lora-dropout", "0.05", "--lora-targets", "qkv,fc2"], world_size=1)
+    lo = cfg.optimizer.lora
+    assert (cfg.optimizer.peft, lo.rank, lo.alpha, lo.dropout, lo.targets) == (
+        "lora", 32, 64.0, 0.05, ("qkv", "fc2"))
+    plain = parse_run_config([], world_size=1).optimizer
+    assert plain.peft == "none" and plain.lora.rank == 16  # the default, unused
+
