@@ -24,7 +24,7 @@ from megatron_logra.bridge.sparse_delta import SparseDelta, changed_elements
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.hf_mapping import (hf_from_megatron, megatron_param_names,
                                              megatron_param_shape)
-from megatron_logra.model.provider import canonical_param_names, unwrap
+from megatron_logra.model.provider import canonical_param_names, served_parameters
 from megatron_logra.model.sharding import full_of_shards, tp_split
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -67,7 +67,8 @@ def _sender_hf_tensors(model_chunks, arch: ModelArch, plan: PushPlan,
     in the gather."""
     rank = dist.get_rank()
     canonical = canonical_param_names(model_chunks[0], arch)
-    local = {canonical[n]: p for n, p in unwrap(model_chunks[0]).named_parameters()}
+    # the values the forward uses (LoRA: W + (alpha / r) B A, merged on each rank)
+    local = {canonical[n]: pv for n, pv in served_parameters(model_chunks[0]).items()}
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     stage_owner_dp0 = parallel_state.get_data_parallel_rank() == 0
@@ -78,7 +79,7 @@ def _sender_hf_tensors(model_chunks, arch: ModelArch, plan: PushPlan,
         sender = plan.sender[name]
         hf_tensors = None
         if name in local and stage_owner_dp0 and _tp_peer_of(sender):
-            full = _gather_tp(local[name], tp_group, tp_size)
+            full = _gather_tp(*local[name], tp_group, tp_size)
             if rank == sender:
                 hf_tensors = hf_from_megatron(arch, name, full)
         yield name, hf_tensors
@@ -146,8 +147,8 @@ def _tp_peer_of(sender: int) -> bool:
     return sender in dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
 
 
-def _gather_tp(param: torch.Tensor, group, size: int) -> torch.Tensor:
-    value = param.detach()
+def _gather_tp(param: torch.Tensor, value: torch.Tensor, group, size: int) -> torch.Tensor:
+    """The full (TP=1) ``value`` of ``param`` (split like ``param``), gathered over TP."""
     split = tp_split(param)
     if split is None or size == 1:
         return value

@@ -78,6 +78,13 @@ class _LoraMixin:
             h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
         return torch.matmul(h, self.lora_b.t().to(h.dtype)) * self.lora_scale
 
+    def served_weight(self) -> torch.Tensor:
+        """This rank's shard of W + (alpha / r) B A, in W's dtype: a column-parallel rank
+        holds rows of B (and all of A), a row-parallel one columns of A, so the shard needs
+        no communication (``model.provider.served_parameters``)."""
+        delta = self.lora_b.detach().float() @ self.lora_a.detach().float()
+        return (self.weight.detach().float() + self.lora_scale * delta).to(self.weight.dtype)
+
     def forward(self, input_, *args, **kwargs):
         out, bias = super().forward(input_, *args, **kwargs)
         return out + self.lora_output(input_).to(out.dtype), bias

@@ -7,7 +7,9 @@ then the engine is killed and the next rollout must restart and resync it. At ev
 check the trainer's and the engine's logprobs on the same fixed token rows agree
 (fp32 engine; tolerance 1e-5, measured ~6e-7), and the weights did move (the check
 would see a stale engine). Layouts: trainer TP2 with dense Adam; PP2 with LoGRA
-(tied embedding split over the stages, the sender of each tensor is not rank 0).
+(tied embedding split over the stages, the sender of each tensor is not rank 0); TP2
+with LoRA adapters (full pushes of the merged weights; predicted-KL control steps the
+adapters).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ LAYOUTS = {
                   "--logra-rank", "16", "--logra-targets", "qkv,proj,fc1,fc2,embedding",
                   "--logra-update-ratio", "2e-2", "--algorithm", "reinforce",
                   "--prompts-per-step", "16", "--responses-per-prompt", "1", *KL],
+    # LoRA: the engine gets the merged W + (alpha / r) B A (each TP rank merges its shard)
+    "tp2_lora": ["--tensor-model-parallel-size", "2", "--peft", "lora", "--lora-rank", "8",
+                 "--lr", "2e-2", *KL],
 }
 
 
