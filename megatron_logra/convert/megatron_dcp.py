@@ -48,7 +48,6 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_logra.model.arch import ModelArch
-from megatron_logra.model.hf_mapping import megatron_param_shape
 
 @dataclass(frozen=True)
 class Chunk:
@@ -77,14 +76,19 @@ class CheckpointLayout:
     arch: ModelArch
     chunks: list[Chunk]
     extra_states: list[ExtraState]
+    shapes: dict[str, tuple[int, ...]]  # canonical parameter -> full (TP=1) shape
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
 
     def params(self) -> list[str]:
         """Canonical parameter names, in storage order."""
         return list(dict.fromkeys(c.param for c in self.chunks))
 
 
-def checkpoint_layout(arch: ModelArch) -> CheckpointLayout:
-    """What megatron-core's ``sharded_state_dict()`` stores for ``arch`` at TP=1, PP=1.
+def checkpoint_layout(arch: ModelArch, build=None) -> CheckpointLayout:
+    """What megatron-core's ``sharded_state_dict()`` stores for ``arch`` at TP=1, PP=1;
+    ``build`` (a ``ModelBuildConfig``): the model as trained, e.g. with LoRA's adapters.
 
     Needs megatron's parallel state initialised at TP=1, PP=1 (world size 1 is enough).
     """
@@ -100,7 +104,8 @@ def checkpoint_layout(arch: ModelArch) -> CheckpointLayout:
     if (parallel_state.get_tensor_model_parallel_world_size() != 1
             or parallel_state.get_pipeline_model_parallel_world_size() != 1):
         raise RuntimeError("checkpoint_layout needs the parallel state at TP=1, PP=1")
-    model = build_meta_model(arch, ModelBuildConfig())
+    model = build_meta_model(arch, build or ModelBuildConfig())
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     chunks, extras = [], []
     for local_name, item in model.sharded_state_dict().items():
         if isinstance(item, ShardedObject):
@@ -120,9 +125,9 @@ def checkpoint_layout(arch: ModelArch) -> CheckpointLayout:
             chunks.append(Chunk(piece.key, tuple(piece.global_shape), tuple(piece.global_offset),
                                 sizes, param, (row, row + rows)))
             row += rows
-    layout = CheckpointLayout(arch, chunks, extras)
+    layout = CheckpointLayout(arch, chunks, extras, shapes)
     for name in layout.params():  # self-check: the chunks of each parameter cover it
-        shape = megatron_param_shape(arch, name)
+        shape = layout.shape(name)
         rows = sum(c.rows[1] - c.rows[0] for c in chunks if c.param == name)
         if rows != (shape[0] if shape else 1):
             raise RuntimeError(f"megatron stores {rows} rows of {name}, expected shape {shape}")
@@ -275,6 +280,6 @@ class CheckpointReader:
                                  f"{self.global_shape(c.key)}, the model expects {c.global_shape}; "
                                  f"the checkpoint belongs to another model")
             parts.append(self.read_region(c.key, c.offset, c.sizes))
-        shape = megatron_param_shape(layout.arch, name)
+        shape = layout.shape(name)
         return torch.cat([p.reshape(c.rows[1] - c.rows[0], *shape[1:]) if shape else p.reshape(())
                           for p, c in zip(parts, pieces)]) if len(parts) > 1 else parts[0].reshape(shape)

@@ -127,17 +127,36 @@ def _planned_hf_tensors(arch: ModelArch, dtype: torch.dtype) -> list[PlannedTens
 def megatron_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *,
                    hf_config_from: str | os.PathLike, dtype: torch.dtype,
                    overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                   log: Log = _print) -> Path:
-    """Export a megatron checkpoint (SAVE dir or one iter_* folder) as an HF folder."""
+                   adapter_out: str | os.PathLike | None = None, log: Log = _print) -> Path:
+    """Export a megatron checkpoint (SAVE dir or one iter_* folder) as an HF folder. A
+    LoRA-trained checkpoint exports its merged weights W + (alpha / r) B A, and with
+    ``adapter_out`` also its adapter in PEFT's format (``convert.lora_export``)."""
+    from megatron_logra.convert import lora_export
 
     t0 = time.perf_counter()
     hf_config_from = Path(hf_config_from)
     arch = load_arch(hf_config_from)
     ckpt_dir = resolve_load_dir(ckpt)
-    check_arch(read_meta(ckpt_dir), arch, ckpt_dir)
+    meta = read_meta(ckpt_dir)
+    check_arch(meta, arch, ckpt_dir)
+    lora = lora_export.lora_of_checkpoint(meta)
+    if adapter_out is not None and lora is None:
+        raise ValueError(f"--adapter-out: {ckpt_dir} was not trained with --peft lora, it "
+                         f"holds no adapter; drop --adapter-out")
     reader = CheckpointReader(ckpt_dir)
     _init_single_process()
-    layout = checkpoint_layout(arch)
+    build = None
+    if lora is not None:
+        from megatron_logra.lora.model_spec import LoraAdapters
+        from megatron_logra.model.provider import ModelBuildConfig
+
+        build = ModelBuildConfig(customization=LoraAdapters(lora))
+    layout = checkpoint_layout(arch, build)
+    adapted = lora_export.adapted_weights(layout.params())
+
+    def read(name: str) -> torch.Tensor:
+        return reader.read_param(layout, name)
+
     planned = _planned_hf_tensors(arch, dtype)
     with atomic_output_dir(out, overwrite) as tmp:
         writer = StreamingShardWriter(tmp, planned, max_shard_bytes)
@@ -145,7 +164,7 @@ def megatron_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *,
             f"{writer.total_bytes / 1e6:.1f} MB {dtype}")
         shard = 0
         for name in megatron_param_names(arch):
-            full = reader.read_param(layout, name)
+            full = lora_export.merged_param(read, name, lora, adapted)
             for hf_name, tensor in hf_from_megatron(arch, name, full):
                 writer.write(hf_name, tensor)
             del full
@@ -161,5 +180,13 @@ def megatron_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *,
             shutil.copy2(hf_config_from / name, tmp / name)
         if not any(f.startswith("tokenizer") for f in copied):
             log(f"[megatron_to_hf] note: {hf_config_from} has no tokenizer files to copy")
+        if adapted:
+            log(f"[megatron_to_hf] merged the LoRA adapters of {len(adapted)} weights "
+                f"(alpha / r = {lora.alpha / lora.rank:g})")
+    if adapter_out is not None:
+        with atomic_output_dir(adapter_out, overwrite) as tmp:
+            targets = lora_export.write_peft_adapter(tmp, arch, read, adapted, lora,
+                                                     str(hf_config_from.absolute()), dtype)
+        log(f"[megatron_to_hf] wrote the PEFT adapter ({', '.join(targets)}) to {adapter_out}")
     log(f"[megatron_to_hf] wrote {out} in {time.perf_counter() - t0:.1f}s")
     return Path(out)
