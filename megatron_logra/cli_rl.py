@@ -48,6 +48,9 @@ def check_rl(rl: RLConfig, training: TrainingConfig, opt: OptimizerConfig, dp: i
         raise ValueError("--kl-alpha-max must be > 0")
     if rl.sync.transport == "sketch-delta":
         _check_sketch_delta(opt, training, rl)
+    if rl.sync.transport == "lora-adapter" and opt.peft != "lora":
+        raise ValueError("--weight-sync lora-adapter sends a LoRA adapter to vLLM: it needs "
+                         "--peft lora (use --weight-sync full otherwise)")
     if not 0 < rl.eval_top_p <= 1 or rl.eval_temperature <= 0:
         raise ValueError("need 0 < --eval-top-p <= 1 and --eval-temperature > 0")
     if training.seq_length < rl.max_new_tokens + 8:

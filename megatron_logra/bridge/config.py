@@ -12,9 +12,10 @@ from megatron_logra.flags import flag_spec
 class WeightSyncConfig:
     transport: Transport = field(default=Transport.FULL,
                                  metadata=flag_spec(flag="--weight-sync"))
-    """full: HF tensors; sparse-delta: the engine-dtype elements that changed (exact);
-    sketch-delta (LoGRA): per sketched weight D and its seed, the engine regenerates A and
-    applies the update."""
+    """full: HF tensors (LoRA: merged); sparse-delta: the engine-dtype elements that changed
+    (exact); sketch-delta (LoGRA): per sketched weight D and its seed, the engine
+    regenerates A and applies the update; lora-adapter (--peft lora): the adapter only,
+    served by vLLM's LoRA support on the unmerged base."""
     anchor_interval: int = field(default=0, metadata=flag_spec(
         flag="--weight-sync-anchor-interval", minimum=0))
     """A full push every N updates (0: only when a delta cannot be used)."""

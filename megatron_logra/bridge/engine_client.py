@@ -105,6 +105,21 @@ class RolloutEngine:
         self.commit(version)
         return sent
 
+    def set_adapter(self, tensors: dict[str, torch.Tensor], config: dict, version: int) -> int:
+        """Serve the base plus this LoRA adapter (PEFT's tensors and adapter_config) from now
+        on, as ``version``; the engine must serve ``version`` (its base just pushed) or
+        ``version - 1``. Returns the bytes sent."""
+        if not self.cfg.lora_rank:
+            raise PushRefused("a LoRA adapter push needs an engine started with lora_rank")
+        if self.version not in (version, version - 1):
+            raise PushRefused(f"an adapter for version {version}, the engine serves "
+                              f"{self.version}: push full weights")
+        sent = self._call(Command.LORA_ADAPTER,
+                          ({n: t.contiguous() for n, t in tensors.items()}, config, version))
+        self.version = -1
+        self.commit(version)
+        return sent
+
     def fingerprints(self, names: list[str]) -> dict[str, float]:
         """``bridge.fingerprint`` of the engine's live weights, in HF coordinates."""
         return self._call(Command.FINGERPRINTS, names)

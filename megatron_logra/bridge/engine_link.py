@@ -73,6 +73,11 @@ class EngineLink:
         except EngineError as exc:
             return f"engine start-up: {exc}", 0
         self.engine.assume_version(version)
+        if result.startup_adapter is not None:  # lora-adapter sync: base + adapter
+            try:
+                result.sent += self.engine.set_adapter(*result.startup_adapter, version)
+            except (EngineError, ValueError) as exc:
+                return f"engine start-up (adapter): {exc}", 0
         cfg = self.engine_cfg
         print(f"rollout engine up in {self.engine.startup_s:.1f}s (vLLM {cfg.dtype}, "
               f"TP{cfg.tensor_parallel_size})", flush=True)

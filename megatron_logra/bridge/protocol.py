@@ -42,6 +42,7 @@ class Transport(StrEnum):
     FULL = "full"  # every HF tensor, bucketed
     SPARSE_DELTA = "sparse-delta"  # the engine-dtype elements that changed (exact)
     SKETCH_DELTA = "sketch-delta"  # LoGRA: D and the projection seed per sketched weight
+    LORA_ADAPTER = "lora-adapter"  # LoRA: the adapter only, served by vLLM's LoRA support
 
 
 class Command(StrEnum):
@@ -56,6 +57,7 @@ class Command(StrEnum):
     SPARSE_DELTA = "sparse_delta"
     FINGERPRINTS = "fingerprints"
     WEIGHTS = "weights"  # read the live weights back (tests)
+    LORA_ADAPTER = "lora_adapter"  # a LoRA adapter in PEFT's format, served from now on
     SHUTDOWN = "shutdown"
 
 
@@ -107,6 +109,7 @@ class EngineConfig:
     # accept delta pushes, applied in place to the live weights (on CPU: linear layers keep
     # plain weights and use F.linear instead of vLLM's packed oneDNN kernels)
     delta_sync: bool = False
+    lora_rank: int = 0  # > 0: vLLM serves the base plus a LoRA adapter of this rank
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 1800.0
 

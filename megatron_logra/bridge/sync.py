@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from megatron_logra.bridge.config import WeightSyncConfig
 from megatron_logra.bridge.protocol import EngineError, PushRefused, Transport
-from megatron_logra.bridge.transports import (FullPush, PushResult, SketchDeltaPush,
-                                              SparseDeltaPush, TrainerWeights)
+from megatron_logra.bridge.transports import (FullPush, LoraAdapterPush, PushResult,
+                                              SketchDeltaPush, SparseDeltaPush, TrainerWeights)
 
 
 @dataclass
@@ -52,18 +52,30 @@ class WeightSync:
     """The trainer's side of weight sync (collective: every rank calls every method)."""
 
     def __init__(self, cfg: WeightSyncConfig, model_chunks: list, arch, dtype: torch.dtype,
-                 optimizer=None):
-        """``optimizer``: the ``LograOptimizer`` whose updates a sketch-delta push sends."""
+                 optimizer=None, lora=None):
+        """``optimizer``: the ``LograOptimizer`` whose updates a sketch-delta push sends;
+        ``lora``: the run's ``LoraConfig`` (LoRA runs), for lora-adapter pushes."""
         self.cfg = cfg
-        self.weights = TrainerWeights(model_chunks, arch, dtype, cfg.bucket_mb * 2**20)
+        adapter_mode = cfg.transport == Transport.LORA_ADAPTER
+        if adapter_mode and lora is None:
+            raise ValueError("--weight-sync lora-adapter sends a LoRA adapter: train with "
+                             "--peft lora")
+        self.weights = TrainerWeights(model_chunks, arch, dtype, cfg.bucket_mb * 2**20,
+                                      merged=not adapter_mode)
         self.rank = self.weights.rank
         self.stats = SyncStats()
         self.full = FullPush(self.weights)
         self.deltas = {}
+        self.adapter = None
         if cfg.transport == Transport.SPARSE_DELTA:
             self.deltas[Transport.SPARSE_DELTA] = SparseDeltaPush(self.weights)
         elif cfg.transport == Transport.SKETCH_DELTA:
             self.deltas[Transport.SKETCH_DELTA] = SketchDeltaPush(self.weights, optimizer)
+        elif adapter_mode:
+            self.adapter = self.deltas[Transport.LORA_ADAPTER] = LoraAdapterPush(self.weights,
+                                                                                lora)
+        self.engine_lora_rank = lora.rank if adapter_mode else 0
+        """The LoRA rank the engine must serve (``EngineConfig.lora_rank``; 0: none)."""
 
     # what tests and benchmarks read of the trainer's weights
     @property
@@ -85,7 +97,7 @@ class WeightSync:
     @property
     def needs_in_place_engine(self) -> bool:
         """Whether the engine must take delta pushes (``EngineConfig.delta_sync``)."""
-        return self.cfg.transport != Transport.FULL
+        return self.cfg.transport in (Transport.SPARSE_DELTA, Transport.SKETCH_DELTA)
 
     # --- one push --------------------------------------------------------------------------
     def push(self, engine, version: int, transport: str | None = None) -> PushResult:
@@ -98,7 +110,10 @@ class WeightSync:
             if result is not None:
                 return result
             self.stats.last_transport = Transport.FULL  # refused, nothing applied: full
-        return self.full.push(engine, version)
+        result = self.full.push(engine, version)
+        if self.adapter is not None:  # the base went in full: the adapter follows it
+            result = self.adapter.follow_full(engine, version, result)
+        return result
 
     def _choose(self, engine, version: int, wanted: str | None) -> str:
         wanted = Transport(wanted or self.cfg.transport)
@@ -134,7 +149,7 @@ class WeightSync:
         self.stats.delta_pushes += 1
         delta.applied(version)
         every = self.cfg.verify_interval
-        if not out.failed and every and self.stats.delta_pushes % every == 0:
+        if not out.failed and delta.verifiable and every and self.stats.delta_pushes % every == 0:
             checked, mismatches = self.full.resend_mismatches(engine, version)
             self.stats.fingerprint_mismatches += mismatches
             out.failed, out.sent = checked.failed, out.sent + checked.sent

@@ -11,6 +11,8 @@ for sparse deltas what each sender last sent. Rank 0 talks to the engine
   sent (exact); needs a recorded base at the previous version.
 - ``SketchDeltaPush`` (LoGRA): every rank's own rows of D with seeds, plus the unsketched
   params that train, in full (none when they are frozen, the paper's setting).
+- ``LoraAdapterPush`` (LoRA): the adapter only, in PEFT's format, which vLLM serves on
+  top of the base; the full push before it carries the base unmerged.
 A delta's ``gather`` collects every rank's part on rank 0; ``send`` hands it to the
 engine, which refuses (``PushRefused``, nothing applied) unless it serves the base version.
 """
@@ -23,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_logra.bridge.fingerprint import same_fingerprint
-from megatron_logra.bridge.full_weights import (full_push, plan_push, sparse_push,
-                                                trainer_fingerprints)
+from megatron_logra.bridge.full_weights import (full_push, gather_adapters, plan_push,
+                                                sparse_push, trainer_fingerprints)
 from megatron_logra.bridge.protocol import EngineError, Transport
 from megatron_logra.bridge.sketch_delta import owned_updates
 from megatron_logra.model.hf_mapping import hf_sources, megatron_param_names
@@ -36,13 +38,18 @@ class PushResult:
     failed: str = ""  # the engine's error ("" when it worked)
     sent: int = 0  # bytes
     startup_tensors: dict[str, torch.Tensor] | None = field(default=None)  # rank 0, no engine
+    startup_adapter: tuple | None = None  # rank 0, no engine, lora-adapter sync: its payload
 
 
 class TrainerWeights:
     """The policy's weights as the bridge reads them (built collectively, once per run)."""
 
-    def __init__(self, model_chunks: list, arch, dtype: torch.dtype, bucket_bytes: int):
+    def __init__(self, model_chunks: list, arch, dtype: torch.dtype, bucket_bytes: int,
+                 merged: bool = True):
+        """``merged``: full pushes carry LoRA's adapters merged into their weights (an
+        engine serving the adapter on its own takes the base: False)."""
         self.model, self.arch, self.dtype, self.bucket_bytes = model_chunks, arch, dtype, bucket_bytes
+        self.merged = merged
         self.rank = dist.get_rank()
         self.plan = plan_push(model_chunks, arch)
         self.hf_source = hf_sources(arch)  # HF tensor name -> canonical megatron param
@@ -60,7 +67,7 @@ class TrainerWeights:
         """Full HF tensors in buckets on rank 0 (see ``full_weights.full_push``)."""
         return full_push(self.model, self.arch, self.plan, dtype=self.dtype,
                          bucket_bytes=self.bucket_bytes, names=names,
-                         shadow=self.shadow if record else None)
+                         shadow=self.shadow if record else None, merged=self.merged)
 
     def fingerprints(self) -> dict[str, float]:
         return trainer_fingerprints(self.model, self.arch, self.plan, dtype=self.dtype)
@@ -126,6 +133,7 @@ class FullPush:
 
 class SparseDeltaPush:
     transport = Transport.SPARSE_DELTA
+    verifiable = True  # the engine holds what a full push would send: fingerprints apply
 
     def __init__(self, weights: TrainerWeights):
         self.weights = weights
@@ -151,6 +159,7 @@ class SparseDeltaPush:
 
 class SketchDeltaPush:
     transport = Transport.SKETCH_DELTA
+    verifiable = True
 
     def __init__(self, weights: TrainerWeights, optimizer):
         """Collective. ``optimizer``: a ``LograOptimizer`` keeping each update's (D,
@@ -187,6 +196,58 @@ class SketchDeltaPush:
 
     def applied(self, version: int) -> None:
         pass
+
+
+class LoraAdapterPush:
+    """LoRA: the engine keeps the frozen base (pushed in full, unmerged) and serves the
+    adapter through vLLM's LoRA support; each update sends the adapter only, in PEFT's
+    format (q/k/v and gate/up sharing the fused layer's A)."""
+
+    transport = Transport.LORA_ADAPTER
+    verifiable = False  # the engine's weights are the base: nothing to fingerprint
+
+    def __init__(self, weights: TrainerWeights, lora):
+        """``lora``: the run's ``LoraConfig``; ``weights`` must push the base unmerged."""
+        if weights.merged:
+            raise ValueError("lora-adapter sync needs the base weights pushed unmerged")
+        self.weights, self.lora = weights, lora
+
+    def ready(self, version: int) -> bool:
+        return True
+
+    def gather(self):
+        """(PEFT's adapter tensors in the engine dtype, its adapter_config) on rank 0."""
+        from megatron_logra.convert.lora_export import (adapted_weights, peft_config,
+                                                        peft_tensors)
+
+        w = self.weights
+        adapters = gather_adapters(w.model, w.arch)
+        if adapters is None:
+            return None
+        tensors = {k: v.to(w.dtype) for k, v in peft_tensors(
+            w.arch, adapters.__getitem__, adapted_weights(list(adapters))).items()}
+        return tensors, peft_config(self.lora, tensors, base_model="")
+
+    def send(self, engine, payload, version: int) -> int:
+        return engine.set_adapter(*payload, version)
+
+    def applied(self, version: int) -> None:
+        pass
+
+    def follow_full(self, engine, version: int, result: PushResult) -> PushResult:
+        """After a full push of the base: the adapter too (collective). Before the engine
+        exists (start-up) rank 0 keeps it in ``startup_adapter`` for the new engine."""
+        payload = self.gather()
+        if self.weights.rank != 0 or result.failed:
+            return result
+        if engine is None:
+            result.startup_adapter = payload
+            return result
+        try:
+            result.sent += self.send(engine, payload, version)
+        except (EngineError, ValueError) as exc:
+            result.failed = str(exc)
+        return result
 
 
 def _gather_to_rank0(mine: list) -> list | None:

@@ -73,18 +73,24 @@ def peft_tensors(arch: ModelArch, read, adapted: set[str]) -> dict[str, torch.Te
     return out
 
 
+def peft_config(lora: LoraConfig, tensors: dict[str, torch.Tensor], base_model: str) -> dict:
+    """PEFT's ``adapter_config.json`` for the adapter ``tensors`` (``peft_tensors``)."""
+    targets = sorted({k.split(".")[-3] for k in tensors})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
+            "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+            "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "init_lora_weights": True, "inference_mode": True,
+            "base_model_name_or_path": base_model}
+
+
 def write_peft_adapter(out: Path, arch: ModelArch, read, adapted: set[str], lora: LoraConfig,
                        base_model: str, dtype: torch.dtype) -> list[str]:
     """Write the adapter folder; returns PEFT's target module names."""
     from safetensors.torch import save_file
 
     tensors = {k: v.to(dtype) for k, v in peft_tensors(arch, read, adapted).items()}
-    targets = sorted({k.split(".")[-3] for k in tensors})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
-              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
-              "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
-              "use_rslora": False, "init_lora_weights": True, "inference_mode": True,
-              "base_model_name_or_path": base_model}
+    config = peft_config(lora, tensors, base_model)
+    targets = config["target_modules"]
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

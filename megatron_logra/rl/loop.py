@@ -72,8 +72,10 @@ class RLRun:
         self.objs = self.prep.objs
         self.rank = dist.get_rank()
         self.dtype = _DTYPES[cfg.rl.rollout_dtype]
+        opt = cfg.optimizer
         self.weights = WeightSync(cfg.rl.sync, self.objs.model, self.objs.arch, self.dtype,
-                                  optimizer=self.objs.optimizer)
+                                  optimizer=self.objs.optimizer,
+                                  lora=opt.lora if opt.peft == "lora" else None)
         self.sync = self.weights.stats
         self.baseline = adv.RunningBaseline(cfg.rl.baseline_decay)
         extra = self.prep.extra_state or {}
@@ -118,7 +120,8 @@ class RLRun:
             str(self._engine_init_dir()), max_model_len=cfg.training.seq_length + 1,
             dtype=rl.rollout_dtype, kv_cache_gib=rl.rollout_kv_cache_gib,
             tensor_parallel_size=rl.rollout_tensor_parallel_size, seed=rl.rollout_seed,
-            delta_sync=self.weights.needs_in_place_engine)
+            delta_sync=self.weights.needs_in_place_engine,
+            lora_rank=self.weights.engine_lora_rank)
         print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",
               flush=True)
         verifier = Verifier(VerifierConfig(reward=rl.reward, timeout_s=rl.verifier_timeout_s))

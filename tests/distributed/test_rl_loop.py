@@ -9,7 +9,8 @@ check the trainer's and the engine's logprobs on the same fixed token rows agree
 would see a stale engine). Layouts: trainer TP2 with dense Adam; PP2 with LoGRA
 (tied embedding split over the stages, the sender of each tensor is not rank 0); TP2
 with LoRA adapters (full pushes of the merged weights; predicted-KL control steps the
-adapters).
+adapters); TP2 and PP2 with LoRA and adapter-only sync (the engine serves the base plus
+the adapter through vLLM's LoRA support; only the adapter moves after start-up).
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ LAYOUTS = {
     # LoRA: the engine gets the merged W + (alpha / r) B A (each TP rank merges its shard)
     "tp2_lora": ["--tensor-model-parallel-size", "2", "--peft", "lora", "--lora-rank", "8",
                  "--lr", "2e-2", *KL],
+    # LoRA with adapter-only sync: the engine keeps the base and serves the adapter
+    # (vLLM's LoRA support); trainer TP2 and PP2
+    "tp2_lora_adapter": ["--tensor-model-parallel-size", "2", "--peft", "lora", "--lora-rank",
+                         "8", "--lr", "2e-2", "--weight-sync", "lora-adapter", *KL],
+    "pp2_lora_adapter": ["--pipeline-model-parallel-size", "2", "--peft", "lora",
+                         "--lora-rank", "8", "--lr", "2e-2", "--weight-sync", "lora-adapter",
+                         *KL],
 }
 
 

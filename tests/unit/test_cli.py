@@ -115,6 +115,7 @@ def test_valid_command_line_gives_frozen_config():
     (["--optimizer", "logra", "--logra-update-ratio", "-1"], 1, "must be > 0"),
     (["--optimizer", "logra", "--logra-master-weights", "none"], 1, "add --bf16"),
     (["--peft", "lora", "--optimizer", "logra"], 1, "use --optimizer adam"),
+    (["--stage", "rl", "--weight-sync", "lora-adapter"], 1, "it needs --peft lora"),
     (["--peft", "lora", "--lora-targets", "qkv,embedding"], 1, "--lora-targets"),
     (["--peft", "lora", "--lora-rank", "0"], 1, "--lora-rank must be >= 1"),
     (["--peft", "lora", "--lora-dropout", "1"], 1, r"--lora-dropout 1.0 must be in \[0, 1\)"),
