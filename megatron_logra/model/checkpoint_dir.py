@@ -66,12 +66,43 @@ def check_arch(meta: dict, arch, ckpt: Path) -> None:
                          f"pass the --model-dir it was trained with")
 
 
+def without_missing_added_params(ckpt: Path, model: list, arch,
+                                 model_sd: dict) -> tuple[dict, set[str]]:
+    """``model_sd`` less the parameters a customization added (LoRA's adapters) that the
+    checkpoint does not hold (a base model's checkpoint to start from: they keep their
+    fresh values); returns (what to load, the state-dict keys left out)."""
+    from megatron_logra.model.hf_mapping import megatron_param_names
+    from megatron_logra.model.provider import canonical_param_names
+
+    base = set(megatron_param_names(arch))
+    added = {local.rsplit(".", 1)[-1]
+             for local, canon in canonical_param_names(model[0], arch).items()
+             if canon not in base}
+    if not added:
+        return model_sd, set()
+    stored = set(dist_checkpointing.load_tensors_metadata(str(ckpt)))
+    left_out = {k for k, v in model_sd.items() if k.rsplit(".", 1)[-1] in added
+                and not any(key == v.key or key.startswith(f"{v.key}.") for key in stored)}
+    return {k: v for k, v in model_sd.items() if k not in left_out}, left_out
+
+
+def load_state_checked(model: list, state: dict, left_out: set[str]) -> None:
+    """``load_state_dict`` of this rank's chunk: strict, except for the ``left_out`` keys."""
+    missing, unexpected = unwrap(model[0]).load_state_dict(state, strict=False)
+    wrong = [k for k in missing if k not in left_out] + list(unexpected)
+    if wrong:
+        raise KeyError(f"checkpoint and model differ in {wrong[:5]}")
+
+
 def load_model_weights(load: str | os.PathLike, model: list, arch) -> dict:
     """Load only the weights of checkpoint ``load`` into ``model`` (this rank's chunks, any
-    TP/PP layout); returns the checkpoint's meta."""
+    TP/PP layout); returns the checkpoint's meta. Added parameters (LoRA's adapters) the
+    checkpoint lacks keep their values."""
     ckpt = resolve_load_dir(load)
     meta = read_meta(ckpt)
     check_arch(meta, arch, ckpt)
-    loaded = dist_checkpointing.load({"model": model_sharded_state_dict(model)}, str(ckpt))
-    unwrap(model[0]).load_state_dict(loaded["model"], strict=True)
+    model_sd, left_out = without_missing_added_params(ckpt, model, arch,
+                                                     model_sharded_state_dict(model))
+    loaded = dist_checkpointing.load({"model": model_sd}, str(ckpt))
+    load_state_checked(model, loaded["model"], left_out)
     return meta

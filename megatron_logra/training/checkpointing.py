@@ -20,9 +20,9 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megatron_logra.model.checkpoint_dir import (FORMAT_VERSION, LATEST, META, check_arch,
-                                                 iter_dir_name, model_sharded_state_dict,
-                                                 read_meta, resolve_load_dir)
-from megatron_logra.model.provider import unwrap
+                                                 iter_dir_name, load_state_checked,
+                                                 model_sharded_state_dict, read_meta,
+                                                 resolve_load_dir, without_missing_added_params)
 
 _OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -121,10 +121,14 @@ def load_checkpoint(load: str | os.PathLike, objs, *, weights_only: bool,
     if not weights_only:
         _materialize_optimizer_state(objs.optimizer)
     state = _sharded_state_dict(objs, is_loading=True, with_optimizer=not weights_only)
-    if not weights_only:
+    left_out: set[str] = set()
+    if weights_only:  # a base model's checkpoint: LoRA's adapters keep their fresh values
+        state["model"], left_out = without_missing_added_params(ckpt, objs.model, objs.arch,
+                                                                state["model"])
+    else:
         state["extra"] = None
     loaded = dist_checkpointing.load(state, str(ckpt))
-    unwrap(objs.model[0]).load_state_dict(loaded["model"], strict=True)
+    load_state_checked(objs.model, loaded["model"], left_out)
     if not weights_only:
         objs.optimizer.load_state_dict(loaded["optimizer"])
         for torch_opt in _inner_torch_optimizers(objs.optimizer):

@@ -83,3 +83,22 @@ def test_adapter_out_refuses_a_checkpoint_without_adapters(exported, tmp_path):
     with pytest.raises(ValueError, match="not trained with --peft lora"):
         megatron_to_hf(plain, tmp_path / "out", hf_config_from=exported["base_path"],
                        dtype=torch.float32, adapter_out=tmp_path / "adapter")
+
+
+def test_lora_starts_from_a_base_megatron_checkpoint(exported, tmp_path):
+    """--peft lora --load BASE_CKPT --finetune: the checkpoint has no adapters, so they keep
+    their fresh values (B = 0) and the first loss is the base model's, as a dense run from
+    the same checkpoint sees it."""
+    from megatron_logra.cli import parse_run_config
+    from megatron_logra.convert.pipeline import hf_to_megatron
+    from megatron_logra.training.sft import run_sft
+
+    plain = hf_to_megatron(exported["base_path"], tmp_path / "plain", dtype=torch.float32)
+    common = ["--model-dir", str(exported["base_path"]), "--load", str(plain), "--finetune",
+              "--train-iters", "1", "--global-batch-size",
+              "4", "--seq-length", "64", "--dataset-size", "32"]
+    dense = run_sft(parse_run_config([*common, "--output-dir", str(tmp_path / "d")], 1))
+    lora = run_sft(parse_run_config([*common, "--peft", "lora", "--output-dir",
+                                     str(tmp_path / "l")], 1))
+    a, b = dense.records[0]["loss"], lora.records[0]["loss"]
+    assert abs(a - b) <= 1e-6 * abs(a), (a, b)
