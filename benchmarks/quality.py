@@ -1,0 +1,227 @@
+"""Dense Adam vs LoGRA vs LoRA, side by side: RL of SmolLM2-135M-Instruct (the paper's Table 1/2).
+
+    python benchmarks/quality.py            # the full comparison (hours on 2 CPU cores)
+    python benchmarks/quality.py --quick    # a smoke test of the same pipeline (minutes)
+
+Every method trains from the same start (SmolLM2, optionally after a shared SFT warm
+start) on the same task, prompts per update and rollout seeds; each (method, seed) is one
+``launch/pretrain_rl.py --stage rl`` run at PP2 on the 2 cores. The runs advance in
+rounds of ``--round`` updates, method after method (so machine noise hits all alike),
+each round resuming the run's own checkpoint: an interrupted benchmark continues where
+it stopped when started again, and finished runs are not rerun.
+
+Written to ``--results`` (default ``benchmarks/results``, ``quality-quick*`` with
+``--quick``): ``quality.json`` (every figure per run and the summary per method),
+``quality.png`` (train reward and held-out pass@1 per update, mean and range over seeds)
+and ``quality.md`` (a table shaped like the paper's: memory per rank, seconds per update,
+updates per hour, peak pass@1 and pass@k with the seed spread). All figures are CPU ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SMOL, SMOL_CKPT = REPO / "models" / "smollm2-135m-instruct", REPO / "ckpts" / "smollm2"
+PY = sys.executable
+
+# the paper's methods at this scale: LoGRA as the reference (norm-ratio step, restoration,
+# the rest frozen) with predicted-KL control; dense Adam and LoRA (Adam on the adapters)
+# with the same KL control, so all three take steps of the same predicted size. Weight
+# sync: full pushes for dense Adam and LoGRA, the adapter only for LoRA (vLLM's LoRA).
+METHODS = {
+    "dense": ["--optimizer", "adam", "--lr", "1e-5"],
+    "logra": ["--optimizer", "logra", "--logra-rank", "64"],
+    "lora": ["--peft", "lora", "--lora-rank", "16", "--lora-alpha", "32", "--lr", "1e-4",
+             "--weight-sync", "lora-adapter"],
+}
+KL = ["--kl-control", "predicted"]
+
+
+def _setup(quick: bool) -> dict:
+    """The shared RL command line and schedule (the same for every method)."""
+    s = dict(task="spell_backward", reward="partial", updates=40, round=10, seeds=[1, 2],
+             prompts=8, responses=4, eval_prompts=32, eval_samples=4, eval_interval=5)
+    if quick:
+        s.update(updates=2, round=1, seeds=[1], eval_prompts=8, eval_samples=2, eval_interval=1)
+    return s
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        raise SystemExit(f"failed (exit {proc.returncode}): {' '.join(cmd)}; see {log}")
+
+
+def ensure_model() -> None:
+    """SmolLM2 as an HF folder and a megatron checkpoint (what ``make demo`` makes)."""
+    if not (SMOL / "model.safetensors").is_file():
+        _run([PY, "-m", "checkpoints_tools.smollm2_from_gguf", "--out", str(SMOL)],
+             REPO / "runs" / "quality-setup.log")
+    if not (SMOL_CKPT / "latest").exists():
+        _run([PY, "-m", "checkpoints_tools.hf_to_megatron", "--hf-dir", str(SMOL), "--out",
+              str(SMOL_CKPT), "--dtype", "fp32"], REPO / "runs" / "quality-setup.log")
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _done(run_dir: Path) -> int:
+    """Updates this run has finished and checkpointed (0: not started)."""
+    latest = run_dir / "ckpt" / "latest"
+    if not latest.is_file():
+        return 0
+    return int(latest.read_text().strip().removeprefix("iter_"))
+
+
+def advance(method: str, seed: int, until: int, s: dict, runs: Path) -> None:
+    """Run (method, seed) up to ``until`` updates, resuming its checkpoint if it has one."""
+    run_dir = runs / f"{method}-s{seed}"
+    done = _done(run_dir)
+    if done >= until:
+        return
+    start = (["--load", str(run_dir / "ckpt")] if done else
+             ["--load", str(s["start"]), "--finetune"])
+    cmd = [str(Path(PY).with_name("torchrun")), "--standalone", "--nproc-per-node", "2",
+           "launch/pretrain_rl.py", "--stage", "rl", "--pipeline-model-parallel-size", "2",
+           "--model-dir", str(SMOL), *start, "--task", s["task"], "--reward", s["reward"],
+           "--train-iters", str(until), "--lr-decay-style", "constant",
+           "--prompts-per-step", str(s["prompts"]), "--responses-per-prompt",
+           str(s["responses"]), "--micro-batch-size", "4", "--seq-length", "256",
+           "--max-new-tokens", "48", "--dataset-size", "400", "--eval-prompts",
+           str(s["eval_prompts"]), "--eval-samples", str(s["eval_samples"]),
+           "--eval-interval", str(s["eval_interval"]), "--seed", str(seed), "--rollout-seed",
+           str(seed), *METHODS[method], *KL, "--output-dir", str(run_dir), "--save",
+           str(run_dir / "ckpt"), "--save-interval", str(s["round"]), "--log-interval", "1"]
+    print(f"[quality] {method} seed {seed}: updates {done} -> {until}", flush=True)
+    _run(cmd, run_dir / "train.log")
+
+
+def summarize(runs: Path, s: dict) -> dict:
+    """Per run: curves and figures; per method: mean and range over seeds."""
+    out = {"setup": {k: v for k, v in s.items() if k != "start"}, "runs": {}, "methods": {}}
+    k = s["eval_samples"]
+    for method in METHODS:
+        rows = []
+        for seed in s["seeds"]:
+            recs = _records(runs / f"{method}-s{seed}")
+            train = [r for r in recs if "reward_mean" in r]
+            evals = [r for r in recs if "eval_pass@1" in r]
+            if not train:
+                continue
+            run = {"reward": [(r["step"], r["reward_mean"]) for r in train],
+                   "pass@1": [(r["step"], r["eval_pass@1"]) for r in evals],
+                   f"pass@{k}": [(r["step"], r[f"eval_pass@{k}"]) for r in evals],
+                   "seconds_per_update": sum(r["step_time_s"] for r in train) / len(train),
+                   "peak_mem_gib": max(r["peak_mem_bytes"] for r in train) / 2**30,
+                   "avg_mem_gib": sum(r["peak_mem_bytes"] for r in train) / len(train) / 2**30,
+                   "sync_mb_per_update": sum(r["sync_bytes"] for r in train) / len(train) / 1e6,
+                   "updates": train[-1]["step"]}
+            run["peak_pass@1"] = max(v for _, v in run["pass@1"])
+            run[f"peak_pass@{k}"] = max(v for _, v in run[f"pass@{k}"])
+            run["start_pass@1"] = run["pass@1"][0][1]
+            out["runs"][f"{method}-s{seed}"] = run
+            rows.append(run)
+        if rows:
+            keys = ("seconds_per_update", "peak_mem_gib", "avg_mem_gib", "sync_mb_per_update",
+                    "peak_pass@1",
+                    f"peak_pass@{k}", "start_pass@1")
+            out["methods"][method] = {
+                key: {"mean": sum(r[key] for r in rows) / len(rows),
+                      "min": min(r[key] for r in rows), "max": max(r[key] for r in rows)}
+                for key in keys}
+            out["methods"][method]["seeds"] = len(rows)
+            out["methods"][method]["updates"] = min(r["updates"] for r in rows)
+    return out
+
+
+def write_table(summary: dict, path: Path) -> None:
+    k = summary["setup"]["eval_samples"]
+    lines = [f"| method | seeds | updates | avg / peak memory per rank (GiB) | s / update "
+             f"| updates / h | sync MB / update | peak pass@1 | peak pass@{k} | pass@1 at start |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for method, m in summary["methods"].items():
+        def spread(key: str, fmt: str = ".3f") -> str:
+            v = m[key]
+            return f"{v['mean']:{fmt}} ({v['min']:{fmt}}-{v['max']:{fmt}})"
+        lines.append(f"| {method} | {m['seeds']} | {m['updates']} | "
+                     f"{m['avg_mem_gib']['mean']:.2f} / {m['peak_mem_gib']['mean']:.2f} | "
+                     f"{m['seconds_per_update']['mean']:.1f} | "
+                     f"{3600 / m['seconds_per_update']['mean']:.0f} | "
+                     f"{m['sync_mb_per_update']['mean']:.1f} | {spread('peak_pass@1')} | "
+                     f"{spread(f'peak_pass@{k}')} | {spread('start_pass@1')} |")
+    s = summary["setup"]
+    lines += ["", f"SmolLM2-135M-Instruct, RL on `{s['task']}` ({s['reward']} reward), "
+              f"{s['prompts']} prompts x {s['responses']} responses per update, seeds "
+              f"{s['seeds']}, PP2 on 2 CPU cores; memory is rank 0's (stage 0) peak; "
+              f"mean (min-max) over seeds. CPU figures, measured by `benchmarks/quality.py`."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in ((axes[0], "reward", "train reward (mean)"),
+                           (axes[1], "pass@1", "held-out pass@1")):
+        for method in summary["methods"]:
+            curves = [r[key] for name, r in summary["runs"].items()
+                      if name.startswith(f"{method}-")]
+            steps = sorted(set.intersection(*(set(x for x, _ in c) for c in curves)))
+            values = [[dict(c)[x] for c in curves] for x in steps]
+            mean = [sum(v) / len(v) for v in values]
+            line, = ax.plot(steps, mean, label=method)
+            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values],
+                            color=line.get_color(), alpha=0.2)
+        ax.set_title(title)
+        ax.set_xlabel("update")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a smoke test: 2 updates, 1 seed")
+    p.add_argument("--runs", default=None, help="where the runs go (default runs/quality[-quick])")
+    p.add_argument("--results", default=None,
+                   help="where the JSON, PNG and table go (default benchmarks/results)")
+    args = p.parse_args(argv)
+    s = _setup(args.quick)
+    suffix = "-quick" if args.quick else ""
+    runs = Path(args.runs or REPO / "runs" / f"quality{suffix}")
+    results = Path(args.results or REPO / "benchmarks" / "results")
+    ensure_model()
+    s["start"] = SMOL_CKPT
+    for until in range(s["round"], s["updates"] + 1, s["round"]):
+        for seed in s["seeds"]:
+            for method in METHODS:
+                advance(method, seed, until, s, runs)
+    summary = summarize(runs, s)
+    results.mkdir(parents=True, exist_ok=True)
+    stem = f"quality{suffix}"
+    (results / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_table(summary, results / f"{stem}.md")
+    plot(summary, results / f"{stem}.png")
+    print(json.dumps({m: {k: v["mean"] if isinstance(v, dict) else v for k, v in f.items()}
+                      for m, f in summary["methods"].items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
