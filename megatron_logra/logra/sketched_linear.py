@@ -42,6 +42,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
+from megatron_logra.model.provider import LINEAR_TARGETS, replace_linears
 from megatron_logra.runtime import versions
 
 
@@ -188,7 +189,7 @@ class SketchedRowParallelLinear(_SketchedMatmulMixin, RowParallelLinear):
 
 
 SKETCHED_TYPES = (SketchedColumnParallelLinear, SketchedRowParallelLinear)
-LAYER_TARGETS = ("qkv", "proj", "fc1", "fc2")
+LAYER_TARGETS = LINEAR_TARGETS
 TARGETS = LAYER_TARGETS + ("embedding", "output")
 """``embedding``/``output``: the word embedding and the output layer; when they are tied
 (one matrix) either target sketches both uses."""
@@ -213,14 +214,5 @@ def sketched_layer_spec(spec, targets: tuple[str, ...] = TARGETS):
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown:
         raise ValueError(f"--logra-targets {unknown}: choose from {list(TARGETS)}")
-    targets = tuple(t for t in targets if t in LAYER_TARGETS)
-    attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
-    if "qkv" in targets:
-        attn.linear_qkv = SketchedColumnParallelLinear
-    if "proj" in targets:
-        attn.linear_proj = SketchedRowParallelLinear
-    if "fc1" in targets:
-        mlp.linear_fc1 = SketchedColumnParallelLinear
-    if "fc2" in targets:
-        mlp.linear_fc2 = SketchedRowParallelLinear
-    return spec
+    return replace_linears(spec, targets, SketchedColumnParallelLinear,
+                           SketchedRowParallelLinear)

@@ -36,9 +36,10 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
 )
 
+from megatron_logra.model.provider import LINEAR_TARGETS, replace_linears
 from megatron_logra.runtime import versions
 
-TARGETS = ("qkv", "proj", "fc1", "fc2")
+TARGETS = LINEAR_TARGETS
 
 
 class _LoraMixin:
@@ -124,18 +125,9 @@ def lora_layer_spec(spec, rank: int, alpha: float, dropout: float,
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown or not targets:
         raise ValueError(f"--lora-targets {unknown}: choose from {list(TARGETS)}")
-    attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
     column = lora_layer_class(ColumnParallelLinear, rank, alpha, dropout)
-    row = lora_layer_class(RowParallelLinear, rank, alpha, dropout)
-    if "qkv" in targets:
-        attn.linear_qkv = column
-    if "proj" in targets:
-        attn.linear_proj = row
-    if "fc1" in targets:
-        mlp.linear_fc1 = column
-    if "fc2" in targets:
-        mlp.linear_fc2 = row
-    return spec
+    return replace_linears(spec, targets, column,
+                           lora_layer_class(RowParallelLinear, rank, alpha, dropout))
 
 
 def lora_modules(model) -> list[tuple[str, _LoraMixin]]:

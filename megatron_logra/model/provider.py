@@ -106,6 +106,25 @@ def transformer_config(arch: ModelArch, build: ModelBuildConfig) -> TransformerC
     )
 
 
+LINEAR_TARGETS = ("qkv", "proj", "fc1", "fc2")
+"""A transformer layer's linears a feature may replace: column-parallel qkv and fc1,
+row-parallel proj and fc2."""
+
+
+def replace_linears(spec: ModuleSpec, targets: tuple[str, ...], column: type,
+                    row: type) -> ModuleSpec:
+    """The local layer ``spec`` with the ``targets`` linears built as ``column`` (qkv, fc1)
+    or ``row`` (proj, fc2) classes instead of megatron's (in place; returned)."""
+    attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    for target, owner, attr, cls in (("qkv", attn, "linear_qkv", column),
+                                     ("proj", attn, "linear_proj", row),
+                                     ("fc1", mlp, "linear_fc1", column),
+                                     ("fc2", mlp, "linear_fc2", row)):
+        if target in targets:
+            setattr(owner, attr, cls)
+    return spec
+
+
 def layer_spec(arch: ModelArch, build: ModelBuildConfig):
     if build.customization is not None:
         if build.use_transformer_engine:
