@@ -36,7 +36,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
 )
 
-from megatron_logra.model.provider import LINEAR_TARGETS, replace_linears
+from megatron_logra.model.provider import LINEAR_TARGETS, param_generator, replace_linears
 from megatron_logra.runtime import versions
 
 TARGETS = LINEAR_TARGETS
@@ -138,9 +138,6 @@ def initial_lora_a(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor
     """A's full (TP=1) initial value: PEFT's default, kaiming-uniform with a = sqrt(5)
     (uniform in +-1/sqrt(in)), drawn from a generator seeded by (seed, name); B starts at
     zero, so the adapted model equals the base at step 0."""
-    import hashlib
-
-    digest = hashlib.sha256(f"lora:{seed}:{name}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    gen = param_generator(seed, name)  # the base weights' rule, by A's canonical name
     bound = 1.0 / math.sqrt(shape[1])
     return (torch.rand(shape, generator=gen) * 2 - 1) * bound

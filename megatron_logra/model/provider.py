@@ -275,9 +275,11 @@ def global_shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _seed_for(seed: int, name: str) -> int:
+def param_generator(seed: int, name: str) -> torch.Generator:
+    """The CPU generator a parameter's full initial value is drawn from: seeded by (seed,
+    canonical name), so the value is the same at any layout."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
 def initial_full_value(name: str, shape: tuple[int, ...], arch: ModelArch, seed: int) -> torch.Tensor:
@@ -294,7 +296,7 @@ def initial_full_value(name: str, shape: tuple[int, ...], arch: ModelArch, seed:
     std = arch.init_std
     if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
         std = arch.init_std / math.sqrt(2.0 * arch.num_layers)
-    gen = torch.Generator().manual_seed(_seed_for(seed, name))
+    gen = param_generator(seed, name)
     value = torch.randn(shape, generator=gen) * std
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         value[arch.vocab_size:] = 0.0
