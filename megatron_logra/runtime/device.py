@@ -7,8 +7,10 @@ megatron-core shims (``megatron_shims.apply_cpu_shims``) are applied here, once.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -70,10 +72,27 @@ def init_runtime(timeout_minutes: float = 10.0) -> Runtime:
         else:  # one process; nothing written to os.environ, so child processes inherit no port
             dist.init_process_group(backend=backend, timeout=timeout, rank=0, world_size=1,
                                     init_method=f"tcp://127.0.0.1:{_free_port()}")
+        atexit.register(shutdown_runtime)
     _RUNTIME = Runtime(device=device, backend=backend, rank=dist.get_rank(),
                        world_size=dist.get_world_size(),
                        local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     return _RUNTIME
+
+
+def shutdown_runtime() -> None:
+    """Free megatron-core's groups and the default process group (run at exit).
+
+    A process group left alive until interpreter teardown lets gloo's C++ threads be
+    destroyed while still joinable, and the process then dies in ``std::terminate``
+    ("terminate called without an active exception") after its work is done.
+    """
+    global _RUNTIME
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _RUNTIME = None
 
 
 def current_device() -> torch.device:
