@@ -259,7 +259,9 @@ class RLRun:
             p1, pk = rollouts.pass_at(rewards)
             length, truncated = rollouts.length_stats(completions)
             out = [{"eval_pass@1": p1, f"eval_pass@{rl.eval_samples}": pk,
-                    "eval_response_len": length, "eval_truncated_frac": truncated}]
+                    "eval_response_len": length, "eval_truncated_frac": truncated,
+                    # per eval prompt (fixed prompts and seeds): paired gains and their SE
+                    "eval_prompt_pass": rollouts.prompt_pass_rates(rewards)}]
         dist.broadcast_object_list(out, src=0)
         return out[0]
 

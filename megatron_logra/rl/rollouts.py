@@ -61,13 +61,18 @@ def eval_requests(prompts: list[Prompt], cfg: RLConfig) -> list[SampleRequest]:
             for i, p in enumerate(prompts) for j in range(cfg.eval_samples)]
 
 
+def prompt_pass_rates(rewards: list[list[float]]) -> list[float]:
+    """Per prompt, the fraction of its samples that are fully correct (reward >= 1)."""
+    return [sum(r >= 1.0 for r in row) / len(row) for row in rewards]
+
+
 def pass_at(rewards: list[list[float]]) -> tuple[float, float]:
     """(pass@1, pass@k) from k binary-or-partial rewards per prompt: pass@1 = mean correct
     fraction (the unbiased estimator with n = k samples), pass@k = fraction of prompts with
     at least one fully correct sample."""
     if not rewards:
         return float("nan"), float("nan")
-    p1 = sum(sum(r >= 1.0 for r in row) / len(row) for row in rewards) / len(rewards)
+    p1 = sum(prompt_pass_rates(rewards)) / len(rewards)
     pk = sum(any(r >= 1.0 for r in row) for row in rewards) / len(rewards)
     return p1, pk
 

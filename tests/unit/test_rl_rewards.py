@@ -166,3 +166,28 @@ def test_pass_at_k_and_prompt_order():
     assert sorted(first_epoch) == list(range(10))
     assert batch_indices(10, 5, 4, 3) == batch_indices(10, 5, 4, 3)
     assert len({sample_seed(0, u, p, g) for u in range(3) for p in range(8) for g in range(8)}) == 192
+
+
+def test_gains_and_their_standard_errors_match_the_textbook_formulas():
+    import statistics
+
+    from megatron_logra.rl.rollouts import prompt_pass_rates
+    from megatron_logra.rl.stats import mean_gain, paired_gain
+
+    assert prompt_pass_rates([[1.0, 0.0, 0.5, 1.0], [0.0, 0.0]]) == [0.5, 0.0]
+    before, after = [0.0, 0.25, 0.5, 0.5, 1.0], [0.25, 0.5, 0.5, 1.0, 1.0]
+    diffs = [a - b for a, b in zip(after, before)]
+    gain, se = paired_gain(before, after)
+    assert gain == pytest.approx(statistics.mean(diffs))
+    assert se == pytest.approx(statistics.stdev(diffs) / math.sqrt(5))
+    # pairing: a uniform shift has zero spread, so any positive gain is many SEs
+    assert paired_gain([0.1, 0.9], [0.2, 1.0]) == (pytest.approx(0.1), pytest.approx(0.0))
+    first, last = [0.1, 0.2, 0.0], [0.5, 0.4, 0.6, 0.3]
+    gain, se = mean_gain(first, last)
+    assert gain == pytest.approx(statistics.mean(last) - statistics.mean(first))
+    assert se == pytest.approx(math.sqrt(statistics.variance(first) / 3
+                                         + statistics.variance(last) / 4))
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_gain([0.1], [0.1, 0.2])
+    with pytest.raises(ValueError, match="more updates"):
+        mean_gain([0.1], [0.2, 0.3])
