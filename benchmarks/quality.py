@@ -232,20 +232,25 @@ def main(argv: list[str] | None = None) -> int:
     results = Path(args.results or REPO / "benchmarks" / "results")
     ensure_model()
     s["start"] = warm_start(s, runs)
+    stem = f"quality{suffix}"
     for until in range(s["round"], s["updates"] + 1, s["round"]):
         for seed in s["seeds"]:
             for method in METHODS:
                 advance(method, seed, until, s, runs)
-    summary = summarize(runs, s)
-    results.mkdir(parents=True, exist_ok=True)
-    stem = f"quality{suffix}"
-    (results / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
-    write_table(summary, results / f"{stem}.md")
-    plot(summary, results / f"{stem}.png")
+        summary = report(runs, s, results, stem)  # after every round: partial results
     print(json.dumps({m: {k: v["mean"] if isinstance(v, dict) else v for k, v in f.items()}
                       for m, f in summary["methods"].items()}))
     return 0
 
+
+def report(runs: Path, s: dict, results: Path, stem: str) -> dict:
+    """Write the JSON, table and plot of the runs as they stand."""
+    summary = summarize(runs, s)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_table(summary, results / f"{stem}.md")
+    plot(summary, results / f"{stem}.png")
+    return summary
 
 if __name__ == "__main__":
     sys.exit(main())

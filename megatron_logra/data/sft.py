@@ -27,6 +27,12 @@ def encode_sft(tokenizer: TextTokenizer, item: TaskItem) -> EncodedSample:
     return EncodedSample(prompt + answer, len(prompt))
 
 
+def padded_length(longest: int, seq_length: int) -> int:
+    """The sequence length one update pads to: its longest sequence rounded up to a multiple
+    of 16, at most ``seq_length``. Short samples do not pay for --seq-length of compute."""
+    return min(seq_length, -(-longest // 16) * 16)
+
+
 def collate(samples: list[EncodedSample], seq_length: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Microbatch tensors, all [b, s] except attention_mask [b, 1, s, s] (True = masked).
 
@@ -88,12 +94,20 @@ class SFTBatches:
         """Sample indices of update ``step`` (0-based), walking epochs of permutations."""
         return batch_indices(len(self.samples), self.global_batch_size, step, self.seed)
 
+    def step_length(self, step: int) -> int:
+        """Padded length of update ``step``: from the whole global batch, so every rank (and
+        every pipeline stage's p2p shape) agrees."""
+        longest = max(len(self.samples[i].tokens) - 1 for i in self.global_indices(step))
+        return padded_length(longest, self.seq_length)
+
     def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict[str, torch.Tensor]]:
+        """This DP rank's microbatches of update ``step``, each [mbs, step_length(step)]."""
         indices = self.global_indices(step)
         per_rank = self.global_batch_size // dp_size
         mine = indices[dp_rank * per_rank: (dp_rank + 1) * per_rank]
+        length = self.step_length(step)
         return [collate([self.samples[i] for i in mine[j: j + self.micro_batch_size]],
-                        self.seq_length, self.pad_id)
+                        length, self.pad_id)
                 for j in range(0, per_rank, self.micro_batch_size)]
 
     def tokens_in_step(self, step: int) -> int:

@@ -37,6 +37,7 @@ from megatron_logra.bridge.engine_link import EngineLink
 from megatron_logra.bridge.protocol import EngineConfig
 from megatron_logra.bridge.sync import WeightSync
 from megatron_logra.config import RunConfig
+from megatron_logra.data.sft import padded_length
 from megatron_logra.data.tokenizer import load_tokenizer
 from megatron_logra.kl.controller import PredictedKLStep
 from megatron_logra.rl import advantages as adv
@@ -197,7 +198,7 @@ class RLRun:
         (so the same on every rank, as the pipeline's p2p shapes need), rounded up to 16,
         at most --seq-length. Short rollouts do not pay for --seq-length of compute."""
         longest = max(len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples)
-        return min(self.cfg.training.seq_length, -(-longest // 16) * 16)
+        return padded_length(longest, self.cfg.training.seq_length)
 
     def _my_samples(self, samples: list[RolloutSample]) -> list[RolloutSample]:
         dp_rank = parallel_state.get_data_parallel_rank()

@@ -46,7 +46,8 @@ def run_sft(cfg: RunConfig) -> RunResult:
     for step in range(start_step, t.train_iters):
         t0 = time.perf_counter()
         out = train_step(objs, batches.microbatches(step, dp_rank, dp_size),
-                         seq_length=t.seq_length, micro_batch_size=t.micro_batch_size)
+                         seq_length=batches.step_length(step),
+                         micro_batch_size=t.micro_batch_size)
         synchronize()
         record = {"step": step + 1, "loss": out.loss, "lr": out.lr, "grad_norm": out.grad_norm,
                   "tokens": out.tokens, "step_time_s": time.perf_counter() - t0,

@@ -64,6 +64,25 @@ def test_dp_ranks_partition_the_global_batch():
     assert torch.equal(whole, parts)
 
 
+def test_updates_pad_to_their_longest_sample_not_to_seq_length():
+    from megatron_logra.data.sft import padded_length
+
+    assert [padded_length(n, 64) for n in (1, 16, 17, 40, 63, 200)] == [16, 16, 32, 48, 64, 64]
+    short = EncodedSample(list(range(10)), 4)  # 9 (input, label) positions -> 16
+    long = EncodedSample(list(range(30)), 4)  # 29 -> 32
+    data = SFTBatches([short, long], global_batch_size=2, micro_batch_size=1, seq_length=192,
+                      pad_id=0, seed=3)
+    assert data.step_length(0) == 32
+    # both DP ranks pad to the global batch's longest, whichever sample each holds
+    shapes = {tuple(mb["tokens"].shape) for r in range(2) for mb in data.microbatches(0, r, 2)}
+    assert shapes == {(1, 32)}
+    # the padded tail is inert: same tokens, labels and loss mask as collate at seq_length
+    for mb, full in zip(data.microbatches(0, 0, 1),
+                        (collate([data.samples[i]], 192, 0) for i in data.global_indices(0))):
+        for key in ("tokens", "labels", "loss_mask"):
+            assert torch.equal(mb[key], full[key][:, :32]) and not full[key][:, 32:].any()
+
+
 def test_mixture_counts_follow_weights():
     assert mixture_counts((("a", 1.0), ("b", 3.0)), 10) in ([3, 7], [2, 8])
     assert sum(mixture_counts((("a", 1.0), ("b", 1.0), ("c", 1.0)), 10)) == 10
