@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_logra.rl.stats import paired_gain
+
 REPO = Path(__file__).resolve().parents[1]
 SMOL, SMOL_CKPT = REPO / "models" / "smollm2-135m-instruct", REPO / "ckpts" / "smollm2"
 PY = sys.executable
@@ -156,12 +158,19 @@ def summarize(runs: Path, s: dict) -> dict:
             run["peak_pass@1"] = max(v for _, v in run["pass@1"])
             run[f"peak_pass@{k}"] = max(v for _, v in run[f"pass@{k}"])
             run["start_pass@1"] = run["pass@1"][0][1]
+            # held-out pass@1, last evaluation minus the first, paired over the eval prompts
+            if "eval_prompt_pass" in evals[0]:
+                run["gain_pass@1"], run["gain_se"] = paired_gain(evals[0]["eval_prompt_pass"],
+                                                                 evals[-1]["eval_prompt_pass"])
+            else:  # runs from before per-prompt pass rates were logged
+                run["gain_pass@1"] = evals[-1]["eval_pass@1"] - evals[0]["eval_pass@1"]
+                run["gain_se"] = float("nan")
             out["runs"][f"{method}-s{seed}"] = run
             rows.append(run)
         if rows:
             keys = ("seconds_per_update", "peak_mem_gib", "avg_mem_gib", "sync_mb_per_update",
                     "peak_pass@1",
-                    f"peak_pass@{k}", "start_pass@1")
+                    f"peak_pass@{k}", "start_pass@1", "gain_pass@1", "gain_se")
             out["methods"][method] = {
                 key: {"mean": sum(r[key] for r in rows) / len(rows),
                       "min": min(r[key] for r in rows), "max": max(r[key] for r in rows)}
@@ -174,8 +183,9 @@ def summarize(runs: Path, s: dict) -> dict:
 def write_table(summary: dict, path: Path) -> None:
     k = summary["setup"]["eval_samples"]
     lines = [f"| method | seeds | updates | avg / peak memory per rank (GiB) | s / update "
-             f"| updates / h | sync MB / update | peak pass@1 | peak pass@{k} | pass@1 at start |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| updates / h | sync MB / update | peak pass@1 | peak pass@{k} | pass@1 at start "
+             f"| pass@1 gain (SE) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, m in summary["methods"].items():
         def spread(key: str, fmt: str = ".3f") -> str:
             v = m[key]
@@ -185,12 +195,15 @@ def write_table(summary: dict, path: Path) -> None:
                      f"{m['seconds_per_update']['mean']:.1f} | "
                      f"{3600 / m['seconds_per_update']['mean']:.0f} | "
                      f"{m['sync_mb_per_update']['mean']:.1f} | {spread('peak_pass@1')} | "
-                     f"{spread(f'peak_pass@{k}')} | {spread('start_pass@1')} |")
+                     f"{spread(f'peak_pass@{k}')} | {spread('start_pass@1')} | "
+                     f"{spread('gain_pass@1', '+.3f')} ({m['gain_se']['mean']:.3f}) |")
     s = summary["setup"]
     lines += ["", f"SmolLM2-135M-Instruct, RL on `{s['task']}` ({s['reward']} reward), "
               f"{s['prompts']} prompts x {s['responses']} responses per update, seeds "
               f"{s['seeds']}, PP2 on 2 CPU cores; memory is rank 0's (stage 0) peak; "
-              f"mean (min-max) over seeds. CPU figures, measured by `benchmarks/quality.py`."]
+              f"mean (min-max) over seeds; pass@1 gain: last evaluation minus the first, "
+              f"its SE from the paired per-prompt differences (mean over seeds). CPU figures, "
+              f"measured by `benchmarks/quality.py`."]
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -191,3 +191,24 @@ def test_gains_and_their_standard_errors_match_the_textbook_formulas():
         paired_gain([0.1], [0.1, 0.2])
     with pytest.raises(ValueError, match="more updates"):
         mean_gain([0.1], [0.2, 0.3])
+
+
+def test_learning_report_reads_gains_off_a_run():
+    from megatron_logra.rl.learning_report import learning_report
+
+    rewards = [0.1, 0.0, 0.2, 0.1, 0.2, 0.3, 0.4, 0.5]  # quarters: [0.1, 0.0] vs [0.4, 0.5]
+    records = [{"step": 0, "eval_pass@1": 0.25, "eval_prompt_pass": [0.0, 0.5, 0.25, 0.25]}]
+    records += [{"step": i + 1, "reward_mean": r} for i, r in enumerate(rewards)]
+    records[-1].update({"eval_pass@1": 0.5, "eval_prompt_pass": [0.25, 0.75, 0.5, 0.5]})
+    report = learning_report(records)
+    assert report["train_reward"]["gain"] == pytest.approx(0.4)
+    assert report["train_reward"]["se"] == pytest.approx(math.sqrt(0.005 / 2 + 0.005 / 2))
+    assert report["eval_pass@1"]["gain"] == pytest.approx(0.25)
+    assert report["eval_pass@1"]["se"] == pytest.approx(0.0)
+    assert report["learned"]
+    flat = records[:1] + [{"step": i + 1, "reward_mean": 0.1 + 0.1 * (i % 2)} for i in range(8)]
+    flat[-1].update(records[-1])
+    flat[-1]["reward_mean"] = 0.2
+    assert not learning_report(flat)["learned"]  # pass@1 rose, but the reward did not
+    with pytest.raises(ValueError, match="eval-interval"):
+        learning_report(records[:-1])
