@@ -71,13 +71,25 @@ class _LoraMixin:
     def lora_output(self, x: torch.Tensor) -> torch.Tensor:
         """(alpha / r) (X A^T) B^T for this layer's input x [s, b, in(_local)]."""
         if self.lora_dropout and self.training:
-            x = F.dropout(x, self.lora_dropout)
+            x = self._dropout(x)
         h = torch.matmul(x, self.lora_a.t().to(x.dtype))
         if self.lora_parallel == "column":
             h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
         else:
             h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
         return torch.matmul(h, self.lora_b.t().to(h.dtype)) * self.lora_scale
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """A column-parallel input is the same on every TP rank and must get the same mask
+        (the default RNG, seeded alike on all TP ranks); a row-parallel input is this
+        rank's slice of the features and gets its own mask (megatron's model-parallel RNG,
+        seeded per TP rank), so TP=2 drops features as independently as TP=1 does."""
+        if self.lora_parallel == "column":
+            return F.dropout(x, self.lora_dropout)
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        with get_cuda_rng_tracker().fork():
+            return F.dropout(x, self.lora_dropout)
 
     def served_weight(self) -> torch.Tensor:
         """This rank's shard of W + (alpha / r) B A, in W's dtype: a column-parallel rank

@@ -113,3 +113,34 @@ def test_only_the_adapters_train(setup):
     stepped = {id(p) for g in lora.optimizer.param_groups for p in g["params"]}
     adapters = [p for n, p in unwrap(ddp).named_parameters() if n.endswith((".lora_a", ".lora_b"))]
     assert len(stepped) == len(adapters) == 2 * 16
+
+
+def test_dropout_masks_come_from_the_rng_their_tp_layout_needs(setup):
+    """A column-parallel adapter's input is replicated over TP ranks: its dropout mask
+    comes from the default RNG (seeded alike on every TP rank, so ranks agree). A
+    row-parallel one's input is a per-rank slice: its mask comes from megatron's
+    model-parallel RNG (seeded per TP rank), leaving the default stream untouched."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    lora, _, _, _ = setup
+    modules = dict(lora_modules(unwrap(lora.model[0])))
+    column = next(m for m in modules.values() if m.lora_parallel == "column")
+    row = next(m for m in modules.values() if m.lora_parallel == "row")
+    tracker = get_cuda_rng_tracker()
+    for m in (column, row):
+        m.lora_dropout = 0.5
+    try:
+        for m, uses_default in ((column, True), (row, False)):
+            x = torch.ones(3, 2, m.lora_a.shape[1])
+            default_before = torch.get_rng_state()
+            tracked_before = tracker.get_states()["model-parallel-rng"].clone()
+            dropped = m._dropout(x)
+            assert set(dropped.unique().tolist()) == {0.0, 2.0}  # dropped / rescaled by 1/p
+            assert torch.equal(torch.get_rng_state(), default_before) != uses_default
+            assert torch.equal(tracker.get_states()["model-parallel-rng"],
+                               tracked_before) == uses_default
+            torch.set_rng_state(default_before)  # leave the module's RNG as it was
+            tracker.set_states({**tracker.get_states(), "model-parallel-rng": tracked_before})
+    finally:
+        for m in (column, row):
+            m.lora_dropout = 0.0
