@@ -55,7 +55,7 @@ demo: setup
 	$(TORCHRUN_PP2) --stage rl --load $(DEMO_DIR)/sft/ckpt --finetune --reward binary \
 		--optimizer logra --logra-rank 64 --kl-control predicted --kl-budget 1e-2 \
 		--kl-budget-final 1e-2 --train-iters $(DEMO_RL_ITERS) --lr-decay-style constant \
-		--prompts-per-step 16 --responses-per-prompt 4 --micro-batch-size 8 --seq-length 192 \
+		--prompts-per-step 12 --responses-per-prompt 4 --micro-batch-size 8 --seq-length 192 \
 		--max-new-tokens 32 --dataset-size 400 --rollout-seed 1 --eval-prompts 32 \
 		--eval-samples 4 --eval-interval 8 --output-dir $(DEMO_DIR)/rl \
 		--save $(DEMO_DIR)/rl/checkpoints --log-interval 1
