@@ -269,5 +269,6 @@ def report(runs: Path, s: dict, results: Path, stem: str) -> dict:
     plot(summary, results / f"{stem}.png")
     return summary
 
+
 if __name__ == "__main__":
     sys.exit(main())
