@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from megatron_logra.rl.stats import paired_gain
+from megatron_logra.training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 SMOL, SMOL_CKPT = REPO / "models" / "smollm2-135m-instruct", REPO / "ckpts" / "smollm2"
@@ -103,7 +104,7 @@ def ensure_model() -> None:
 
 def _records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return read_metrics(path) if path.is_file() else []
 
 
 def _done(run_dir: Path) -> int:

@@ -138,8 +138,8 @@ def lora_layer_spec(spec, rank: int, alpha: float, dropout: float,
     if unknown or not targets:
         raise ValueError(f"--lora-targets {unknown}: choose from {list(TARGETS)}")
     column = lora_layer_class(ColumnParallelLinear, rank, alpha, dropout)
-    return replace_linears(spec, targets, column,
-                           lora_layer_class(RowParallelLinear, rank, alpha, dropout))
+    row = lora_layer_class(RowParallelLinear, rank, alpha, dropout)
+    return replace_linears(spec, targets, column, row)
 
 
 def lora_modules(model) -> list[tuple[str, _LoraMixin]]:

@@ -95,8 +95,8 @@ def test_lora_starts_from_a_base_megatron_checkpoint(exported, tmp_path):
 
     plain = hf_to_megatron(exported["base_path"], tmp_path / "plain", dtype=torch.float32)
     common = ["--model-dir", str(exported["base_path"]), "--load", str(plain), "--finetune",
-              "--train-iters", "1", "--global-batch-size",
-              "4", "--seq-length", "64", "--dataset-size", "32"]
+              "--train-iters", "1", "--global-batch-size", "4", "--seq-length", "64",
+              "--dataset-size", "32"]
     dense = run_sft(parse_run_config([*common, "--output-dir", str(tmp_path / "d")], 1))
     lora = run_sft(parse_run_config([*common, "--peft", "lora", "--output-dir",
                                      str(tmp_path / "l")], 1))
