@@ -238,10 +238,9 @@ def write_table(summary: dict, path: Path) -> None:
               f"{s['prompts']} prompts x {s['responses']} responses per update, PP2 on 2 "
               f"CPU cores; memory: the peak RSS of rank 0's trainer process (stage 0; the "
               f"rollout engine is another process), whatever held it (activations, "
-              f"optimizer state, weight-sync buffers); mean (min-max) over the seeds whose runs "
-              f"finished; pass@1 "
-              f"gain: last evaluation minus the first, "
-              f"its SE from the paired per-prompt differences (mean over seeds). CPU figures, "
+              f"optimizer state, weight-sync buffers); mean (min-max) over the seeds whose "
+              f"runs finished; pass@1 gain: last evaluation minus the first, its SE from the "
+              f"paired per-prompt differences (mean over seeds). CPU figures, "
               f"measured by `benchmarks/quality.py`."]
     path.write_text("\n".join(lines) + "\n")
 
