@@ -284,7 +284,7 @@ def _loop(run: RLRun) -> RunResult:
     cfg, objs, prep = run.cfg, run.objs, run.prep
     t, rl, ck = cfg.training, cfg.rl, cfg.checkpoint
     start = prep.start_step
-    log = MetricsLog(cfg.output_dir, enabled=run.rank == 0, resume=start > 0)
+    log = MetricsLog(cfg.output_dir, enabled=run.rank == 0, resume_step=start)
     result = RunResult(objects=objs)
     if start == 0:
         record = {"step": 0, **run.evaluate()}

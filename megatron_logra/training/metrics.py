@@ -9,13 +9,22 @@ from pathlib import Path
 
 
 class MetricsLog:
-    def __init__(self, output_dir: str | Path, enabled: bool, resume: bool = False):
+    def __init__(self, output_dir: str | Path, enabled: bool, resume_step: int = 0):
+        """``resume_step``: the update a resumed run restarts after (0: a fresh run, which
+        starts a new file). A resumed run keeps the records up to that update and drops
+        later ones, which a run that stopped after its last checkpoint had written and
+        will now write again."""
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if not resume and self.path.exists():
+            if not resume_step and self.path.exists():
                 self.path.unlink()
+            elif self.path.exists():
+                kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+                tmp = self.path.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+                tmp.replace(self.path)
         self.start = time.time()
 
     def write(self, record: dict) -> None:

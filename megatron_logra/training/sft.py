@@ -38,7 +38,7 @@ def run_sft(cfg: RunConfig) -> RunResult:
     is_logger = dist.get_rank() == 0
     out_dir = Path(cfg.output_dir)
     batches = build_sft_batches(cfg, tokenizer)
-    log = MetricsLog(out_dir, enabled=is_logger, resume=start_step > 0)
+    log = MetricsLog(out_dir, enabled=is_logger, resume_step=start_step)
     result = RunResult(objects=objs)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
