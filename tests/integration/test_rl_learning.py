@@ -3,14 +3,15 @@ updates with dense Adam, with LoGRA as the paper runs it (sketched q/k/v/o/gate/
 the rest frozen, norm restoration) and with LoRA (Adam on r=16 adapters on the same
 targets) (real vLLM rollouts, real gcd verifier).
 
-The evaluation: 256 held-out prompts (another data seed than the SFT's) x 2 samples at
+The evaluation: 512 held-out prompts (another data seed than the SFT's) x 2 samples at
 the rollouts' temperature 1.0, with fixed prompts and sampling seeds, so the gain is
-paired per prompt and its standard error (``rl.stats.paired_gain``) is ~0.03. (At the
-paper's temperature 0.7 / top-p 0.7 the tiny model's samples of a prompt almost always
-agree and its mode barely moves in 30 updates: dense Adam gained +0.039 +- 0.029 there.)
-Each run must gain at least ``MIN_GAIN`` and more than 3 SE. Seeds are fixed and both
-sides are deterministic on CPU (per-sample vLLM seeds, fp32), so the figures repeat run
-to run; the gains measured with two seeds are in docs/results.md (RL learning, tiny model).
+paired per prompt and its standard error (``rl.stats.paired_gain``) is ~0.013-0.021.
+(At the paper's temperature 0.7 / top-p 0.7 the tiny model's samples of a prompt almost
+always agree and its mode barely moves in 30 updates: dense Adam gained +0.039 +- 0.029
+there.) Each run must gain at least ``MIN_GAIN`` and more than 3 SE. Seeds are fixed and
+both sides are deterministic on CPU (per-sample vLLM seeds, fp32), so the figures repeat
+run to run; with a second seed (``--seed 7 --rollout-seed 3``) every method clears the
+same margins (the gains of both seeds are in docs/results.md, RL learning, tiny model).
 """
 
 from __future__ import annotations
@@ -29,21 +30,24 @@ pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch" / "pretrain_rl.py"
-COMMON = ["--task", "gcd", "--seq-length", "160", "--dataset-size", "1000"]
+COMMON = ["--task", "gcd", "--seq-length", "160"]
 RL = ["--stage", "rl", "--train-iters", "30", "--prompts-per-step", "32",
       "--responses-per-prompt", "8", "--micro-batch-size", "64", "--max-new-tokens", "8",
-      "--lr-decay-style", "constant", "--data-seed", "101", "--eval-prompts", "256",
+      "--lr-decay-style", "constant", "--dataset-size", "1500", "--data-seed", "101",
+      "--eval-prompts", "512",
       "--eval-samples", "2", "--eval-temperature", "1.0", "--eval-top-p", "1.0",
       "--eval-interval", "0", "--log-interval", "10"]
 OPTIMIZERS = {
     "adam": ["--lr", "1e-3"],
     # LoGRA as the paper (q/k/v/o/gate/up/down sketched, the rest frozen, restoration);
-    # at norm ratio 3e-2 one of two seeds gained only 2.6 SE (docs/results.md)
+    # (norm ratio 6e-2: at 3e-2 one of two seeds gained only 2.6 SE on 256 eval prompts)
     "logra": ["--optimizer", "logra", "--logra-rank", "32", "--logra-update-ratio", "6e-2"],
     # LoRA on the same targets, Adam on the adapters (merged weights pushed to vLLM)
     "lora": ["--peft", "lora", "--lora-rank", "16", "--lora-alpha", "32", "--lr", "3e-3"],
 }
-MIN_GAIN = 0.06  # held-out pass@1, paired over the 256 prompts; and more than 3 SE
+# held-out pass@1, paired over the 512 prompts; and more than 3 SE. The smallest gain
+# measured (2 seeds x 3 methods) is +0.060 (4.5 SE); an unchanged policy gains 0.
+MIN_GAIN = 0.04
 
 
 def _launch(argv: list[str], tmp: Path) -> None:
@@ -56,10 +60,10 @@ def _launch(argv: list[str], tmp: Path) -> None:
 @pytest.fixture(scope="module")
 def sft_checkpoint(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("sft")
-    _launch(["--stage", "sft", *COMMON, "--train-iters", "60", "--global-batch-size", "16",
-             "--micro-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "5",
-             "--min-lr", "3e-4", "--output-dir", str(tmp / "out"), "--save", str(tmp / "ckpt")],
-            tmp)
+    _launch(["--stage", "sft", *COMMON, "--dataset-size", "1000", "--train-iters", "60",
+             "--global-batch-size", "16", "--micro-batch-size", "8", "--lr", "3e-3",
+             "--lr-warmup-iters", "5", "--min-lr", "3e-4", "--output-dir", str(tmp / "out"),
+             "--save", str(tmp / "ckpt")], tmp)
     return tmp / "ckpt"
 
 
@@ -71,7 +75,7 @@ def test_rl_raises_held_out_pass_rate(sft_checkpoint, tmp_path, optimizer):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = records[0], records[-1]
     assert first["step"] == 0 and last["step"] == 30
-    # the same 256 prompts and sampling seeds before and after: a paired gain per prompt
+    # the same 512 prompts and sampling seeds before and after: a paired gain per prompt
     gain, se = paired_gain(first["eval_prompt_pass"], last["eval_prompt_pass"])
     assert gain >= MIN_GAIN and gain > 3 * se, (optimizer, first["eval_pass@1"],
                                                 last["eval_pass@1"], gain, se)

@@ -11,8 +11,6 @@ Two properties, each against an independent count:
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 import torch
 
