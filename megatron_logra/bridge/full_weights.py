@@ -69,7 +69,7 @@ def _sender_hf_tensors(model_chunks, arch: ModelArch, plan: PushPlan,
     canonical = canonical_param_names(model_chunks[0], arch)
     # the values the forward uses (LoRA: W + (alpha / r) B A, merged on each rank), or with
     # ``merged=False`` the parameters themselves (an engine serving the adapter on its own)
-    local = {canonical[n]: pv if merged else (pv[0], pv[0].detach())
+    local = {canonical[n]: pv if merged else (pv[0], pv[0].detach)
              for n, pv in served_parameters(model_chunks[0]).items()}
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -81,7 +81,8 @@ def _sender_hf_tensors(model_chunks, arch: ModelArch, plan: PushPlan,
         sender = plan.sender[name]
         hf_tensors = None
         if name in local and stage_owner_dp0 and _tp_peer_of(sender):
-            full = _gather_tp(*local[name], tp_group, tp_size)
+            param, value = local[name]  # the served value, computed now (one at a time)
+            full = _gather_tp(param, value(), tp_group, tp_size)
             if rank == sender:
                 hf_tensors = hf_from_megatron(arch, name, full)
         yield name, hf_tensors

@@ -249,21 +249,25 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-@torch.no_grad()
-def served_parameters(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Parameter, torch.Tensor]]:
-    """{local parameter name: (the parameter, the value the forward uses for it)}.
+ServedValue = Callable[[], torch.Tensor]
+
+
+def served_parameters(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Parameter, ServedValue]]:
+    """{local parameter name: (the parameter, a function giving the value the forward uses
+    for it)}.
 
     The value is the parameter itself, except for a layer whose forward weight is not its
     ``.weight`` alone: such a layer says so with a ``served_weight()`` method (LoRA's
     W + (alpha / r) B A, this rank's shard of it). What a rollout engine and an export
-    must hold is the served value."""
+    must hold is the served value. The values are computed when asked for, one at a time:
+    merging every LoRA layer at once would hold a second copy of the model's weights."""
     out = {}
     for module_name, module in unwrap(model).named_modules():
         served = getattr(module, "served_weight", None)
         for name, param in module.named_parameters(recurse=False):
             key = f"{module_name}.{name}" if module_name else name
-            value = served() if served is not None and name == "weight" else param.detach()
-            out[key] = (param, value)
+            out[key] = (param, served if served is not None and name == "weight"
+                        else param.detach)
     return out
 
 

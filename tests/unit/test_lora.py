@@ -21,7 +21,7 @@ from megatron_logra.lora.config import LoraConfig
 from megatron_logra.lora.layers import lora_modules
 from megatron_logra.model.arch import load_arch
 from megatron_logra.model.logits import causal_inputs
-from megatron_logra.model.provider import ModelBuildConfig, unwrap
+from megatron_logra.model.provider import ModelBuildConfig, served_parameters, unwrap
 from megatron_logra.model.tiny_assets import write_tiny_model_dir
 from megatron_logra.runtime.device import init_runtime
 from megatron_logra.runtime.parallel import ParallelConfig, initialize
@@ -144,3 +144,26 @@ def test_dropout_masks_come_from_the_rng_their_tp_layout_needs(setup):
     finally:
         for m in (column, row):
             m.lora_dropout = 0.0
+
+
+def test_served_values_are_the_merged_weights_computed_one_at_a_time(setup, monkeypatch):
+    """What a full push sends (``served_parameters``): W + s B A per adapted layer, each
+    merged only when its turn comes (merging all at once would hold a second model)."""
+    lora, dense, _, _ = setup
+    inner = unwrap(lora.model[0])
+    merged = []
+    for name, m in lora_modules(inner):
+        monkeypatch.setattr(m, "served_weight",
+                            lambda f=m.served_weight, name=name: merged.append(name) or f())
+    served = served_parameters(lora.model[0])
+    assert not merged
+    dense_params = dict(unwrap(dense.model[0]).named_parameters())
+    for name, _ in lora_modules(inner):
+        param, value = served[f"{name}.weight"]
+        assert param is getattr(inner.get_submodule(name), "weight")
+        torch.testing.assert_close(value(), dense_params[f"{name}.weight"].detach(),
+                                   rtol=0, atol=1e-6)
+        assert merged[-1] == name
+    assert len(merged) == 16
+    embedding, value = served["embedding.word_embeddings.weight"]  # not adapted: itself
+    assert torch.equal(value(), embedding.detach())
