@@ -13,6 +13,8 @@ TP). A probe without any generated position is an error, never an uncontrolled s
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -21,7 +23,7 @@ from megatron_logra.kl import budget as kl_budget
 from megatron_logra.kl.config import KLControlConfig
 from megatron_logra.kl.scaled_step import scaled_optimizer_step
 from megatron_logra.kl.tangent_forward import UpdateTangents, logits_with_tangent
-from megatron_logra.runtime.device import current_device
+from megatron_logra.runtime.device import current_device, synchronize
 
 
 def _global_mean(values: torch.Tensor | None) -> tuple[float, int]:
@@ -109,14 +111,22 @@ class PredictedKLStep:
         probe = {k: v.to(current_device())
                  for k, v in cap_probe(probe, self.cfg.probe_max_tokens).items()}
         record = {"kl_budget": budget, "kl_mismatch_avg": self.controller.mismatch}
+        probe_time = [0.0]  # the forward-mode pass and the realized-KL forward
 
         def choose_alpha(tangents: UpdateTangents) -> float:
+            t0 = time.perf_counter()
             k = self.quadratic_form(objs.model, probe, tangents)
+            synchronize()
+            probe_time[0] += time.perf_counter() - t0
             alpha = kl_budget.step_scale(k, budget, self.cfg.alpha_max)
             record.update(kl_quadratic=k, alpha=alpha, kl_pred=alpha * alpha * k)
             return alpha
 
         ok, grad_norm, _ = scaled_optimizer_step(objs.optimizer, objs.model, choose_alpha)
         if ok:
+            t0 = time.perf_counter()
             record["kl_realized"] = self.realized_kl(objs.model, probe)
+            synchronize()
+            probe_time[0] += time.perf_counter() - t0
+        record["kl_probe_time_s"] = probe_time[0]
         return ok, grad_norm, record

@@ -108,3 +108,5 @@ def test_realized_kl_stays_within_30_percent_of_the_budget(launched):
         assert record["alpha"] < 3.0 and record["kl_budget"] == pytest.approx(KL_BUDGET, rel=1e-2)
         assert abs(record["kl_realized"] - record["kl_budget"]) <= 0.3 * record["kl_budget"], \
             record
+        # the probe's two passes are timed, and are a part of the train step
+        assert 0 < record["kl_probe_time_s"] < record["train_time_s"], record
