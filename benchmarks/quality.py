@@ -215,9 +215,10 @@ def summarize(runs: Path, s: dict) -> dict:
             run["method"], run["in_summary"] = method, False
             out["runs"][f"{method}-s{seed}"] = run
             rows.append(run)
-        # a method's figures come from its finished runs (all of its runs while none is)
-        finished = [r for r in rows if r["updates"] >= s["updates"]]
-        rows = finished or rows
+        # a method's figures come from its finished runs (while none is, from its longest)
+        if rows:
+            longest = max(r["updates"] for r in rows)
+            rows = [r for r in rows if r["updates"] >= min(longest, s["updates"])]
         for run in rows:
             run["in_summary"] = True
         if rows:
@@ -229,6 +230,10 @@ def summarize(runs: Path, s: dict) -> dict:
             out["methods"][method]["seeds"] = len(rows)
             out["methods"][method]["updates"] = min(r["updates"] for r in rows)
     return out
+
+
+def _seconds(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.1f}"  # NaN: runs from before it was timed
 
 
 def write_table(summary: dict, path: Path) -> None:
@@ -246,7 +251,7 @@ def write_table(summary: dict, path: Path) -> None:
                      f"{m['avg_mem_gib']['mean']:.2f} / {m['peak_mem_gib']['mean']:.2f} | "
                      f"{m['seconds_per_update']['mean']:.1f} ({m['rollout_s']['mean']:.1f} + "
                      f"{m['train_s']['mean']:.1f} + {m['sync_s']['mean']:.1f}) | "
-                     f"{m['kl_probe_s']['mean']:.1f} | "
+                     f"{_seconds(m['kl_probe_s']['mean'])} | "
                      f"{3600 / m['seconds_per_update']['mean']:.0f} | "
                      f"{m['sync_mb_per_update']['mean']:.1f} | {spread('peak_pass@1')} | "
                      f"{spread(f'peak_pass@{k}')} | {spread('start_pass@1')} | "
@@ -256,10 +261,11 @@ def write_table(summary: dict, path: Path) -> None:
               f"{s['prompts']} prompts x {s['responses']} responses per update, PP2 on 2 "
               f"CPU cores; memory: the peak RSS of rank 0's trainer process (stage 0; the "
               f"rollout engine is another process), whatever held it (activations, "
-              f"optimizer state, weight-sync buffers); mean (min-max) over the seeds whose "
-              f"runs finished; pass@1 gain: last evaluation minus the first, its SE from the "
-              f"paired per-prompt differences (mean over seeds). CPU figures, "
-              f"measured by `benchmarks/quality.py`."]
+              f"optimizer state, weight-sync buffers); seconds: the mean over all "
+              f"updates; mean (min-max) over the seeds whose runs finished (a variant with "
+              f"none finished: its longest runs); pass@1 gain: last evaluation minus the "
+              f"first, its SE from the paired per-prompt differences (mean over seeds). "
+              f"CPU figures, measured by `benchmarks/quality.py`."]
     path.write_text("\n".join(lines) + "\n")
 
 
