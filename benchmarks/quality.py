@@ -52,9 +52,9 @@ METHODS = {
     # variants (run with --methods; their flags come last on the command line, so they
     # override the shared setup's): the reference's rank, r=256 (the demo's r=64 is the
     # default above), twice the KL budget per update, and alpha at most 1 (the controller
-    # may shrink LoGRA's step, never stretch it: both KL overshoots of the 16-update runs,
-    # 45x and 22x, came from steps stretched by alpha 2.2-2.9 off a small K); what closes a
-    # gap to dense Adam
+    # may shrink LoGRA's step, never stretch it: LoGRA's KL overshoots, 45x and 81x, came
+    # from steps stretched by alpha 2.25 and 1.37 off a small K); what closes a gap to
+    # dense Adam (docs/results.md)
     "logra-r256": ["--optimizer", "logra", "--logra-rank", "256"],
     "logra-kl2x": ["--optimizer", "logra", "--logra-rank", "64", "--kl-budget", "2e-2",
                    "--kl-budget-final", "2e-2"],
@@ -223,9 +223,8 @@ def summarize(runs: Path, s: dict) -> dict:
             run["in_summary"] = True
         if rows:
             keys = ("seconds_per_update", "rollout_s", "train_s", "kl_probe_s", "sync_s",
-                    "peak_mem_gib",
-                    "avg_mem_gib", "sync_mb_per_update", "peak_pass@1", f"peak_pass@{k}",
-                    "start_pass@1", "gain_pass@1", "gain_se")
+                    "peak_mem_gib", "avg_mem_gib", "sync_mb_per_update", "peak_pass@1",
+                    f"peak_pass@{k}", "start_pass@1", "gain_pass@1", "gain_se")
             out["methods"][method] = {key: _spread([r[key] for r in rows]) for key in keys}
             out["methods"][method]["seeds"] = len(rows)
             out["methods"][method]["updates"] = min(r["updates"] for r in rows)
@@ -240,8 +239,7 @@ def write_table(summary: dict, path: Path) -> None:
     k = summary["setup"]["eval_samples"]
     lines = [f"| method | seeds | updates | avg / peak memory per rank (GiB) | s / update "
              f"(rollout + train + sync) | KL probe s (in train) | updates / h | sync MB / "
-             f"update | peak pass@1 "
-             f"| peak pass@{k} | pass@1 at start | pass@1 gain (SE) |",
+             f"update | peak pass@1 | peak pass@{k} | pass@1 at start | pass@1 gain (SE) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, m in summary["methods"].items():
         def spread(key: str, fmt: str = ".3f") -> str:
