@@ -47,7 +47,8 @@ from megatron_logra.logra import row_adam
 from megatron_logra.logra.low_rank_apply import apply_bf16_update
 from megatron_logra.logra.row_shards import RowShard, all_gather_rows, plan_row_shard
 from megatron_logra.logra.sketched_linear import SketchSlot
-from megatron_logra.logra.sketches import SketchSet
+from megatron_logra.logra.sketches import EMBEDDING, SketchSet
+from megatron_logra.runtime.phase_times import PHASES
 
 MASTER_MODES = ("fp32", "none")
 FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -80,7 +81,8 @@ class SketchUpdate:
 
 
 def _active_rows(d: torch.Tensor) -> torch.Tensor | None:
-    """Indices of D's nonzero rows when they are under half of them (else None: all rows)."""
+    """Indices of D's nonzero rows when they are under half of them (else None: all rows).
+    Asked only of the word embedding, whose unseen tokens' rows get no gradient."""
     nonzero = d.abs().amax(dim=1) > 0
     count = int(nonzero.sum())
     return None if count * 2 > d.shape[0] else nonzero.nonzero().squeeze(1)
@@ -187,12 +189,12 @@ class LograOptimizer:
     def _module_sums(self, width: int, per_row) -> torch.Tensor:
         """[width, modules] per-module sums of ``width`` per-row statistics, summed over the
         ranks that hold other rows of the same module: DP (row-sharded weights) and TP
-        (column-parallel weights). ``per_row(i, owned rows of slot i's sketch)`` returns
-        ``width`` tensors [owned rows]."""
+        (column-parallel weights). ``per_row(i)`` returns ``width`` tensors [owned rows of
+        slot i]."""
         sk, offsets = self.sketches, self.module_offsets
         parts = [torch.zeros(width, 0, dtype=torch.float64, device=self._device())]
-        for i, (slot, shard) in enumerate(zip(sk.slots, self.shards)):
-            values = per_row(i, shard.take(slot.sketch))
+        for i in range(len(sk)):
+            values = per_row(i)
             n = offsets[i + 1] - offsets[i]
             parts.append(torch.stack([row_adam.module_sums(v, self.owned_modules[i], n)
                                       for v in values]))
@@ -204,32 +206,39 @@ class LograOptimizer:
     def _directions(self) -> float:
         """Turn each sketch's owned rows into D [owned rows, r] in place (the sketch buffer is
         zeroed after the step anyway, so D costs no second out x r tensor per weight).
-        Returns ||S||_F of the whole model's reduced sketches (before the token division)."""
+        Returns ||S||_F of the whole model's reduced sketches (before the token division).
+
+        One read of each sketch (its row norms) and one in-place scaling: the token division,
+        1 / (rho + eps mean rho) and the module's restoration factor are one fp64 factor per
+        row, and ||D_m||^2 follows from the row norms (sum_i ||S_i||^2 / denom_i^2)."""
         cfg, sk = self.cfg, self.sketches
-        tokens = sk.num_tokens
-        sk.divide(tokens)  # the reference's normalisation: S / generated tokens, again
-        rhos = []
-
-        def rho_stats(i, s):
-            row_adam.update_row_moments(self.row_v[i], s, cfg.beta2)
-            rhos.append(row_adam.row_scale(self.row_v[i], self.steps, cfg.beta2))
-            return [rhos[-1], torch.ones_like(rhos[-1]), s.double().pow(2).sum(1)]
-
-        rho_sum, count, sketch_sq = self._module_sums(3, rho_stats)
-        mean_rho = rho_sum / count.clamp(min=1)
+        tokens = sk.num_tokens  # the reference's normalisation: S / generated tokens, again
+        row_sq, rhos = [], []
         for i, (slot, shard) in enumerate(zip(sk.slots, self.shards)):
-            means = mean_rho[self.module_offsets[i]:self.module_offsets[i + 1]].to(slot.sketch)
-            for rows, state_rows in shard.pieces():
-                row_adam.direction_(slot.sketch[rows], rhos[i][state_rows],
-                                    means[slot.module_rows[rows]], cfg.eps)
+            norms = torch.linalg.vector_norm(shard.take(slot.sketch), dim=1)  # fp32, r terms
+            row_sq.append(norms.double().square_().div_(tokens ** 2))  # ||S_i / tokens||^2
+            self.row_v[i].mul_(cfg.beta2).add_((row_sq[i] / slot.sketch.shape[1]).float(),
+                                               alpha=1.0 - cfg.beta2)
+            rhos.append(row_adam.row_scale(self.row_v[i], self.steps, cfg.beta2))
+        rho_sum, count, sketch_sq = self._module_sums(
+            3, lambda i: [rhos[i], torch.ones_like(rhos[i]), row_sq[i]])
+        mean_rho = rho_sum / count.clamp(min=1)
+        denoms = [row_adam.row_denominator(rhos[i].double(), self._of_rows(mean_rho, i), cfg.eps)
+                  for i in range(len(sk))]
+        restore = torch.ones_like(sketch_sq)
         if cfg.norm_restoration:
-            (direction_sq,) = self._module_sums(1, lambda i, d: [d.double().pow(2).sum(1)])
-            factors = row_adam.restoration_factors(sketch_sq, direction_sq)
-            for i, (slot, shard) in enumerate(zip(sk.slots, self.shards)):
-                scale = factors[self.module_offsets[i]:self.module_offsets[i + 1]].to(slot.sketch)
-                for rows, _ in shard.pieces():
-                    slot.sketch[rows] *= scale[slot.module_rows[rows]][:, None]
+            (direction_sq,) = self._module_sums(1, lambda i: [row_sq[i] / denoms[i].square()])
+            restore = row_adam.restoration_factors(sketch_sq, direction_sq)
+        for i, (slot, shard) in enumerate(zip(sk.slots, self.shards)):
+            factor = (self._of_rows(restore, i) / denoms[i] / tokens).float()
+            for rows, state_rows in shard.pieces():
+                slot.sketch[rows].mul_(factor[state_rows, None])
         return self._sketch_norm(sketch_sq) * tokens
+
+    def _of_rows(self, per_module: torch.Tensor, i: int) -> torch.Tensor:
+        """A per-module statistic [all modules] (fp64) for each owned row of slot i."""
+        mine = per_module[self.module_offsets[i]:self.module_offsets[i + 1]]
+        return mine.to(self._device())[self.owned_modules[i]]
 
     def _sketch_norm(self, sketch_sq: torch.Tensor) -> float:
         """||S||_F over the model from per-module squared norms (whole over TP and DP
@@ -271,7 +280,7 @@ class LograOptimizer:
             weight_sq = sum(row_adam.weight_sq_norm(
                 param[rows] if master is None else master[state_rows], self.cfg.chunk_rows)
                 for rows, state_rows in shard.pieces())
-            nonzero = _active_rows(d)
+            nonzero = _active_rows(d) if slot.name == EMBEDDING else None
             update_sq = float(row_adam.update_sq_norm(d if nonzero is None else d[nonzero],
                                                       slot.projection))
             parts[:, int(shard.sharded)] += torch.tensor([weight_sq, update_sq],
@@ -289,8 +298,9 @@ class LograOptimizer:
         cfg, sk = self.cfg, self.sketches
         update = self.steps  # 0-based index of this update
         self.steps += 1
-        sketch_norm = self._directions()
-        weight_sq, update_sq = self._global_norms()
+        with PHASES("row_adam"):  # D, its norms and the step size
+            sketch_norm = self._directions()
+            weight_sq, update_sq = self._global_norms()
         if cfg.update_ratio is not None:
             c = row_adam.norm_ratio_factor(cfg.update_ratio, weight_sq, update_sq)
         else:
@@ -300,8 +310,19 @@ class LograOptimizer:
         alpha = 1.0 if scale_fn is None else float(scale_fn(stats))
         stats["alpha"] = alpha
         coefficient = alpha * c
-        factor_dtype = FACTOR_DTYPES[cfg.update_factor_dtype]
         self.last_updates = {}
+        with PHASES("low_rank_apply"):
+            self._apply_all(update, coefficient)
+        self.last_stats = stats
+        sk.zero()
+        with PHASES("projection"):
+            sk.refresh(update + 1)
+
+    def _apply_all(self, update: int, coefficient: float) -> None:
+        """W -= coefficient D A for every sketched weight (D in the sketch buffers), the factor
+        rounded first; DP-sharded rows all-gathered after."""
+        cfg, sk = self.cfg, self.sketches
+        factor_dtype = FACTOR_DTYPES[cfg.update_factor_dtype]
         dp_group = parallel_state.get_data_parallel_group() if cfg.shard_over_dp else None
         for i, (param, slot, shard) in enumerate(zip(sk.params, sk.slots, self.shards)):
             seed = sk.seed_of(slot, update)
@@ -317,9 +338,6 @@ class LograOptimizer:
             if self.keep_updates:
                 self.last_updates[slot.name] = SketchUpdate(shard.take(slot.sketch).clone(),
                                                             applied, seed, shard)
-        self.last_stats = stats
-        sk.zero()
-        sk.refresh(update + 1)
 
     def _apply(self, i: int, param, slot, rows: slice, state_rows: slice, d: torch.Tensor,
                coefficient: float, seed: int) -> None:
@@ -329,7 +347,7 @@ class LograOptimizer:
         master = None if self.masters[i] is None else self.masters[i][state_rows]
         target = master if master is not None else param.data[rows]
         global_rows = slot.global_rows[rows]
-        active = _active_rows(d)
+        active = _active_rows(d) if slot.name == EMBEDDING else None
         block = target if active is None else target[active]
         if active is not None:
             d, global_rows = d[active], global_rows[active.cpu()]

@@ -9,9 +9,12 @@ hashing in int64 tensors (no overflow, no floating point in the hash), so:
 * CPU and CUDA give bit-identical Rademacher values (and the rollout engine can
   regenerate them from the seed alone).
 
-Rademacher (default): +-1/sqrt(r). Gaussian: N(0, 1/r) by Box-Muller on two
-24-bit uniforms in float64; identical across ranks of one device type, and within
-one float32 ulp between CPU and CUDA (libm differences in log/cos).
+Rademacher (default): +-1/sqrt(r), 32 signs per hashed word: word (i, b) covers
+columns 32 b .. 32 b + 31 of row i, bit k of it the sign of column 32 b + k (one
+hash per 32 entries; generating A was a third of a LoGRA step when every entry
+cost a hash). Gaussian: N(0, 1/r) by Box-Muller on two 24-bit uniforms in
+float64, two hashes per entry; identical across ranks of one device type, and
+within one float32 ulp between CPU and CUDA (libm differences in log/cos).
 E[A^T A] = I for both, so G A^T A is an unbiased estimate of G.
 """
 
@@ -59,16 +62,32 @@ def projection_block(seed: int, rank: int, cols: tuple[int, int], *, kind: str =
     if kind not in PROJECTIONS:
         raise ValueError(f"projection {kind!r}: choose one of {PROJECTIONS}")
     rows = torch.arange(rank, device=device)
-    columns = torch.arange(cols[0], cols[1], device=device)
     scale = 1.0 / math.sqrt(rank)
-    words = counter_words(seed, rows, columns, stream=0)
     if kind == "rademacher":
-        sign = (words & 1).to(torch.float32) * 2.0 - 1.0
-        return (sign * scale).to(dtype)
+        return rademacher_signs(seed, rows, cols).to(dtype) * scale
+    columns = torch.arange(cols[0], cols[1], device=device)
+    words = counter_words(seed, rows, columns, stream=0)
     u1 = ((words >> 8).to(torch.float64) + 1.0) / 16777217.0  # (0, 1): log is finite
     u2 = (counter_words(seed, rows, columns, stream=1) >> 8).to(torch.float64) / 16777216.0
     gauss = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)
     return (gauss * scale).to(dtype)
+
+
+SIGNS_PER_WORD = 32
+
+
+def rademacher_signs(seed: int, rows: torch.Tensor, cols: tuple[int, int]) -> torch.Tensor:
+    """[len(rows), c1 - c0] int32 +-1: bit (c mod 32) of word (row, c // 32), stream 0."""
+    c0, c1 = cols
+    first, last = c0 // SIGNS_PER_WORD, -(-c1 // SIGNS_PER_WORD)
+    blocks = torch.arange(first, last, device=rows.device)
+    words = counter_words(seed, rows, blocks, stream=0)  # [r, blocks] in [0, 2^32)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    shifts = torch.arange(SIGNS_PER_WORD, dtype=torch.int32, device=rows.device)
+    # bit k of each word (an arithmetic shift's sign fill lands only above bit 31 - k)
+    bits = (words[:, :, None] >> shifts).bitwise_and_(1).view(len(rows), -1)
+    skip = first * SIGNS_PER_WORD
+    return bits[:, c0 - skip:c1 - skip].mul(2).sub_(1)
 
 
 def parameter_seed(base_seed: int, update: int, name: str) -> int:

@@ -22,11 +22,34 @@ def rounding_noise(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.T
     uniform down to P(noise < 4) (``tests/unit/test_logra_math.py``); six times fewer
     passes over the block than a full per-element hash, which made SR most of the cost
     of a bf16 update. (Combining the hashes with xor instead left P(noise < 16) 2.3x too
-    high: biased rounding of sub-resolution updates.)"""
+    high: biased rounding of sub-resolution updates.)
+
+    The per-element work runs in place in int32, whose products wrap mod 2^32 (CPU and
+    CUDA alike): the same low 32 bits as the mod-2^32 arithmetic in int64 that
+    ``_rounding_noise_int64`` spells out (the tests check they agree), at a quarter of the
+    memory traffic. Shifts are arithmetic in int32, so each is masked to 16 bits."""
+    h_row, h_col = _row_and_column_hashes(seed, rows, cols)
+    mixed = _as_int32(h_col)[None, :] * 0x9E37 + _as_int32(h_row)[:, None]
+    mixed ^= (mixed >> 16).bitwise_and_(0xFFFF)
+    mixed *= 0x2C1B3C6D
+    return (mixed >> 16).bitwise_and_(0xFFFF)
+
+
+def _row_and_column_hashes(seed: int, rows: torch.Tensor, cols: torch.Tensor):
     key = hash32(torch.tensor((seed ^ (2 * 0x9E3779B9)) & MASK32, dtype=torch.int64,
                               device=rows.device))
-    h_row = hash32((rows.to(torch.int64) ^ key) & MASK32)
-    h_col = hash32((cols.to(torch.int64) + key) & MASK32)
+    return (hash32((rows.to(torch.int64) ^ key) & MASK32),
+            hash32((cols.to(torch.int64) + key) & MASK32))
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 words in [0, 2^32) -> int32 with the same 32 bits."""
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def _rounding_noise_int64(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``rounding_noise`` in int64 with explicit mod-2^32 masks (the reference it must equal)."""
+    h_row, h_col = _row_and_column_hashes(seed, rows, cols)
     mixed = (h_row[:, None] + h_col[None, :] * 0x9E37) & MASK32  # products < 2^63
     mixed = mixed ^ (mixed >> 16)
     return (((mixed * 0x2C1B3C6D) & MASK32) >> 16).to(torch.int32)
@@ -41,13 +64,24 @@ def stochastic_round_bf16(values: torch.Tensor, seed: int, rows: torch.Tensor,
     cut. For a negative value the two's-complement add is the same bit pattern as adding
     to its magnitude, so both signs round away from zero with probability equal to the
     cut fraction (unbiased); non-finite values are only truncated."""
-    if values.dtype != torch.float32 or values.dim() != 2 or rows.shape != values.shape[:1]:
-        raise ValueError(f"want a 2-D fp32 tensor and one row index per row, got {values.dtype} "
-                         f"{tuple(values.shape)} and rows {tuple(rows.shape)}")
+    return stochastic_round_bf16_(values.clone(), seed, rows, col0)
+
+
+def stochastic_round_bf16_(values: torch.Tensor, seed: int, rows: torch.Tensor,
+                           col0: int) -> torch.Tensor:
+    """``stochastic_round_bf16`` using ``values`` (contiguous fp32, overwritten) as scratch."""
+    if values.dtype != torch.float32 or values.dim() != 2 or rows.shape != values.shape[:1] \
+            or not values.is_contiguous():
+        raise ValueError(f"want a contiguous 2-D fp32 tensor and one row index per row, got "
+                         f"{values.dtype} {tuple(values.shape)} and rows {tuple(rows.shape)}")
     device = values.device
     cols = torch.arange(col0, col0 + values.shape[1], device=device, dtype=torch.int64)
     noise = rounding_noise(seed, rows.to(device=device, dtype=torch.int64), cols)
-    bits = values.contiguous().view(torch.int32)
     keep_high = -65536  # 0xFFFF0000 as int32
-    rounded = torch.where(torch.isfinite(values), (bits + noise) & keep_high, bits & keep_high)
-    return rounded.view(torch.float32).to(torch.bfloat16)
+    bits = values.view(torch.int32)
+    if bool(torch.isfinite(values).all()):
+        bits.add_(noise).bitwise_and_(keep_high)
+    else:
+        bits.copy_(torch.where(torch.isfinite(values), (bits + noise) & keep_high,
+                               bits & keep_high))
+    return values.to(torch.bfloat16)

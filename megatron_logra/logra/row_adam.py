@@ -45,18 +45,21 @@ def direction(sketch: torch.Tensor, rho: torch.Tensor, mean_rho: float | torch.T
     """D [out, r] = S / (rho + eps * mean_rho) (fp32). ``mean_rho`` is over ALL rows of the
     layer (callers reduce it over tensor parallel ranks). A row that never had a gradient
     (rho = 0, so S = 0; all of them when mean_rho = 0 too) gets D = 0, not 0 / 0."""
-    return sketch.float() / _denominator(rho, mean_rho, eps)[:, None]
+    return sketch.float() / row_denominator(rho, mean_rho, eps)[:, None]
 
 
-def _denominator(rho: torch.Tensor, mean_rho: float | torch.Tensor, eps: float) -> torch.Tensor:
+def row_denominator(rho: torch.Tensor, mean_rho: float | torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    """[out] rho + eps * mean_rho, with 1 where that is 0 (rows without gradient: S = 0)."""
     denom = rho + eps * mean_rho
     return torch.where(denom > 0, denom, torch.ones_like(denom))
+
 
 
 def direction_(sketch: torch.Tensor, rho: torch.Tensor, mean_rho: float | torch.Tensor,
                eps: float) -> torch.Tensor:
     """In place: an fp32 sketch [out, r] becomes D (as ``direction``); returns it."""
-    return sketch.div_(_denominator(rho, mean_rho, eps)[:, None])
+    return sketch.div_(row_denominator(rho, mean_rho, eps)[:, None])
 
 
 def module_sums(values: torch.Tensor, modules: torch.Tensor, num_modules: int) -> torch.Tensor:
@@ -72,14 +75,24 @@ def restoration_factors(sketch_sq: torch.Tensor, direction_sq: torch.Tensor) -> 
     return torch.where(ok, (sketch_sq / torch.where(ok, direction_sq, 1.0)).sqrt(), 0.0)
 
 
-def update_sq_norm(d: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
-    """||D A||_F^2 without forming D A: sum((D (A A^T)) * D), D [out, r], A [r, in].
+def update_sq_norm(d: torch.Tensor, projection: torch.Tensor,
+                   gram: torch.Tensor | None = None) -> torch.Tensor:
+    """||D A||_F^2 without forming D A: sum_i (D (A A^T))_i . D_i, D [out, r], A [r, in].
 
     For a column slice A[:, c0:c1] it gives that slice's share, so summing over the slices
     (tensor-parallel ranks of a row-parallel layer) gives the whole norm. fp32 products (cost
-    r^2 (in + out), under one D A product), fp64 sum."""
-    gram = projection.float() @ projection.float().t()
-    return ((d.float() @ gram) * d.float()).double().sum()
+    r^2 (in + out), under one D A product; ``gram`` = A A^T when the caller has it), per-row
+    fp32 dots of r terms, fp64 sum over rows."""
+    if gram is None:
+        gram = projection_gram(projection)
+    d = d.float()
+    return torch.linalg.vecdot(d @ gram, d, dim=1).double().sum()
+
+
+def projection_gram(projection: torch.Tensor) -> torch.Tensor:
+    """A A^T [r, r] fp32 of a projection block A [r, in]."""
+    a = projection.float()
+    return a @ a.t()
 
 
 def weight_sq_norm(weight: torch.Tensor, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> float:
@@ -116,12 +129,19 @@ def apply_low_rank_update(weight: torch.Tensor, d: torch.Tensor, projection: tor
                           round_fn=None, exact: bool = True) -> None:
     """In place: W [out, in] -= scale * D [out, r] @ A [r, in], ``chunk_rows`` rows at a time
     (D A is never formed whole). ``round_fn(new_fp32, row0) -> weight dtype`` rounds each chunk
-    (default: round to nearest); ``exact`` as in ``low_rank_product``."""
+    (default: round to nearest); ``exact`` as in ``low_rank_product``. An fp32 W without
+    ``exact`` or ``round_fn`` (an fp32 master) takes one in-place GEMM, W += (-scale) D A."""
     if d.shape[0] != weight.shape[0] or d.shape[1] != projection.shape[0] \
             or projection.shape[1] != weight.shape[1]:
         raise ValueError(f"shapes do not chain: W {tuple(weight.shape)}, D {tuple(d.shape)}, "
                          f"A {tuple(projection.shape)}")
+    if not exact and round_fn is None and weight.dtype == torch.float32:
+        weight.addmm_(d.float(), projection.float(), alpha=-scale)
+        return
+    a = projection.double() if exact else projection.float()  # converted once, not per chunk
     for r0 in range(0, weight.shape[0], chunk_rows):
         rows = slice(r0, min(r0 + chunk_rows, weight.shape[0]))
-        new = weight[rows].float() - scale * low_rank_product(d[rows], projection, exact)
+        d_rows = d[rows].double() if exact else d[rows].float()
+        new = (d_rows @ a).float()  # fp32 D A of the chunk (fp64 products when exact)
+        new.mul_(-scale).add_(weight[rows])  # W - scale D A, the same bits as written so
         weight[rows] = new.to(weight.dtype) if round_fn is None else round_fn(new, r0)

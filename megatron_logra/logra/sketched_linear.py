@@ -4,7 +4,8 @@ The layers are megatron-core's, with one override: ``_forward_impl`` (the matmul
 megatron calls between its TP communication) runs ``_SketchedMatmul`` when the
 weight carries a ``logra_slot`` with a projection. Forward: Y = X W^T (+ b), and
 X A^T [N, r] is saved instead of X. Backward: dX = dY W (all-reduced over TP when
-megatron asks for it), S += dY^T (X A^T) in fp32, db = sum dY. The weight has
+megatron asks for it), S += dY^T (X A^T) (the product in the activations' dtype, the
+sum in fp32), db = sum dY. The weight has
 ``requires_grad=False``, so DDP gives it no grad buffer and autograd no ``.grad``.
 
 Tensor parallel: a column-parallel rank holds rows of W, so its S rows are the
@@ -66,13 +67,18 @@ class SketchSlot:
 
 
 class _SketchedMatmul(torch.autograd.Function):
+    """Y = X W^T (+ b); saves X A^T [..., r] in X's dtype; backward adds dY^T (X A^T) to the
+    fp32 sketch. Both products run in the activations' dtype (bf16 in a bf16 model: the
+    reference's ``_AccumulateSketch`` computes ``gradient.T @ projected`` in bf16 and adds
+    it to its fp32 sketch, as here), so the saved X A^T costs 2 r bytes per token."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, projection, sketch, allreduce_dgrad, tp_group):
         """x [..., in_local], weight [out_local, in_local], projection [r, in_local]."""
         out = torch.matmul(x, weight.t())
         if bias is not None:
             out = out + bias
-        xa = torch.matmul(x, projection.t().to(x.dtype)).float()  # [..., r]
+        xa = torch.matmul(x, projection.t().to(x.dtype))  # [..., r]
         ctx.save_for_backward(weight, xa)
         ctx.sketch, ctx.has_bias = sketch, bias is not None
         ctx.allreduce_dgrad, ctx.tp_group = allreduce_dgrad, tp_group
@@ -85,9 +91,13 @@ class _SketchedMatmul(torch.autograd.Function):
         handle = None
         if ctx.allreduce_dgrad:
             handle = dist.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
-        dy = grad_out.reshape(-1, grad_out.shape[-1]).float()
-        ctx.sketch.addmm_(dy.t(), xa.reshape(-1, xa.shape[-1]))
-        grad_bias = dy.sum(0).to(grad_out.dtype) if ctx.has_bias else None
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        xa = xa.reshape(-1, xa.shape[-1]).to(dy.dtype)
+        if dy.dtype == torch.float32:
+            ctx.sketch.addmm_(dy.t(), xa)
+        else:
+            ctx.sketch.add_(dy.t() @ xa)  # bf16 product, fp32 accumulation across microbatches
+        grad_bias = dy.float().sum(0).to(grad_out.dtype) if ctx.has_bias else None
         if handle is not None:
             handle.wait()
         return grad_input, None, grad_bias, None, None, None, None

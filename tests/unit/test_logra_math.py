@@ -9,7 +9,12 @@ import torch
 
 from megatron_logra.logra import row_adam
 from megatron_logra.logra.projection import hash32, parameter_seed, projection_block
-from megatron_logra.logra.rounding import rounding_noise, stochastic_round_bf16
+from megatron_logra.logra.rounding import (
+    _rounding_noise_int64,
+    rounding_noise,
+    stochastic_round_bf16,
+    stochastic_round_bf16_,
+)
 
 
 # --- projections -------------------------------------------------------------------------
@@ -167,13 +172,18 @@ def test_norm_ratio_factor():
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 1024])
-def test_low_rank_update_in_chunks_equals_the_dense_update(chunk):
+@pytest.mark.parametrize("exact", [True, False])
+def test_low_rank_update_in_chunks_equals_the_dense_update(chunk, exact):
     torch.manual_seed(3)
     w, d, a = torch.randn(7, 20), torch.randn(7, 4), projection_block(1, 4, (0, 20))
     want = w - 0.01 * (d @ a)
     got = w.clone()
-    row_adam.apply_low_rank_update(got, d, a, 0.01, chunk_rows=chunk)
+    row_adam.apply_low_rank_update(got, d, a, 0.01, chunk_rows=chunk, exact=exact)
     assert torch.allclose(got, want, atol=1e-6)
+    assert float((got - w).abs().max()) > 1e-3  # the update is far above the tolerance
+    half = w.bfloat16()
+    row_adam.apply_low_rank_update(half, d, a, 0.01, chunk_rows=chunk, exact=exact)
+    assert torch.equal(half, (w.bfloat16().float() - 0.01 * (d @ a)).bfloat16())
     with pytest.raises(ValueError, match="do not chain"):
         row_adam.apply_low_rank_update(got, d, a[:, :10], 0.01)
 
@@ -215,6 +225,26 @@ def test_stochastic_rounding_is_unbiased_and_brackets_the_value():
     exact = torch.tensor([[1.5, -2.0, 0.0, float("inf")]])
     assert torch.equal(stochastic_round_bf16(exact, 3, torch.zeros(1, dtype=torch.int64), 0).float(),
                        exact)
+    # non-finite values are truncated, never wrapped into finite ones (a negative NaN's bit
+    # pattern 0xFFFFFFFF plus noise would wrap to +0)
+    odd = torch.tensor([[float("nan"), -float("inf"), 3.0]])
+    odd[0, 0] = torch.tensor(-1, dtype=torch.int32).view(torch.float32)  # 0xFFFFFFFF
+    got = stochastic_round_bf16(odd, 3, torch.zeros(1, dtype=torch.int64), 0).float()
+    assert got[0, 0].isnan() and got[0, 1] == -float("inf") and got[0, 2] == 3.0
+    scratch = x.clone()
+    assert torch.equal(stochastic_round_bf16_(scratch, 0, torch.zeros(1, dtype=torch.int64), 0)
+                       .float(), out)
+    with pytest.raises(ValueError, match="contiguous"):
+        stochastic_round_bf16_(torch.randn(4, 6)[:, ::2], 0, torch.arange(4), 0)
+
+
+def test_int32_rounding_noise_equals_the_int64_arithmetic():
+    """The in-place int32 noise (wrapping products, masked arithmetic shifts) has exactly the
+    bits of the explicit mod-2^32 int64 computation, on rows and columns whose hashes cover
+    the whole 32-bit range (signs included)."""
+    rows, cols = torch.arange(40_000, 40_512), torch.arange(7_000, 7_700)
+    for seed in (0, 12345, 2 ** 31 - 1):
+        assert torch.equal(rounding_noise(seed, rows, cols), _rounding_noise_int64(seed, rows, cols))
 
 
 def test_rounding_noise_is_uniform_down_to_small_thresholds():
