@@ -35,6 +35,7 @@ from megatron_logra.lora.model_spec import LoraAdapters
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.provider import ModelBuildConfig, build_gpt_model
 from megatron_logra.patches import apply_all as apply_megatron_patches
+from megatron_logra.runtime.phase_times import PHASES
 
 
 @dataclass
@@ -84,7 +85,8 @@ def build_scheduler(optimizer, cfg: OptimizerConfig, train_iters: int) -> Optimi
 
 def _finalize_with_sketches(sketches, model, num_tokens, **kwargs):
     finalize_model_grads(model, num_tokens, **kwargs)  # leaves num_tokens global, in place
-    sketches.reduce(num_tokens)
+    with PHASES("sketch_reduce"):
+        sketches.reduce(num_tokens)
 
 
 def build_training_objects(arch: ModelArch, build: ModelBuildConfig, opt: OptimizerConfig,

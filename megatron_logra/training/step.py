@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_logra.runtime.device import current_device
+from megatron_logra.runtime.phase_times import PHASES
 from megatron_logra.training.loss import token_nll
 
 
@@ -107,15 +108,17 @@ def train_step(objs, microbatches, *, seq_length: int, micro_batch_size: int,
     objs.optimizer.zero_grad()
     objs.scheduler.step(increment=1)
     lr = float(objs.optimizer.param_groups[0]["lr"])
-    reports = forward_backward(objs.model, microbatches, seq_length=seq_length,
-                               micro_batch_size=micro_batch_size,
-                               vocab_size=objs.arch.vocab_size, loss_fn=loss_fn)
+    with PHASES("forward_backward"):  # megatron's grad finalisation included
+        reports = forward_backward(objs.model, microbatches, seq_length=seq_length,
+                                   micro_batch_size=micro_batch_size,
+                                   vocab_size=objs.arch.vocab_size, loss_fn=loss_fn)
     if reports_out is not None:
         reports_out.extend(reports)
-    if optimizer_step is None:
-        ok, grad_norm, _ = objs.optimizer.step()
-    else:
-        ok, grad_norm = optimizer_step(reports)
+    with PHASES("optimizer_step"):
+        if optimizer_step is None:
+            ok, grad_norm, _ = objs.optimizer.step()
+        else:
+            ok, grad_norm = optimizer_step(reports)
     if not ok:
         objs.scheduler.step(increment=-1)
     loss, tokens = global_loss(reports)
