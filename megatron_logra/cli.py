@@ -118,6 +118,12 @@ def _check_optimizer(opt: OptimizerConfig, training: TrainingConfig) -> None:
         _check_logra(opt.logra, training)
     if opt.peft == "lora":
         _check_lora(opt)
+    if training.transformer_impl == "transformer_engine" and (opt.name == "logra"
+                                                               or opt.peft == "lora"):
+        feature = "LoGRA's sketched" if opt.name == "logra" else "LoRA's adapted"
+        raise ConfigError(f"--transformer-impl transformer_engine: {feature} linears are "
+                          f"megatron-core's local Column/RowParallelLinear; use "
+                          f"--transformer-impl local (or auto)")
 
 
 def _check_lora(opt: OptimizerConfig) -> None:

@@ -83,6 +83,10 @@ class TrainingConfig:
     """bf16 parameters (fp32 main grads)."""
     recompute_activations: bool = False
     """Full activation recompute, one layer at a time."""
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Layer implementation: megatron-core's local spec, Transformer Engine's (CUDA with TE
+    installed), or auto (TE when available, for dense Adam only: LoGRA and LoRA build on
+    the local spec). Compare methods with local, so all run the same layers."""
     log_interval: int = field(default=1, metadata=_POSITIVE)
     """Updates between progress lines."""
 

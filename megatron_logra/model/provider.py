@@ -137,6 +137,10 @@ def layer_spec(arch: ModelArch, build: ModelBuildConfig):
     use_te = build.use_transformer_engine
     if use_te is None:
         use_te = transformer_engine_available()
+    elif use_te and not transformer_engine_available():
+        raise ValueError("--transformer-impl transformer_engine: Transformer Engine does not "
+                         "import here (it needs CUDA and the GPU extra); use "
+                         "--transformer-impl local or auto")
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,

@@ -63,8 +63,11 @@ def prepare_training(cfg: RunConfig) -> Prepared:
     arch.check_parallel(cfg.parallel.tensor_model_parallel_size,
                         cfg.parallel.pipeline_model_parallel_size)
     tokenizer = load_tokenizer(cfg.model.model_dir, cfg.model.tokenizer_model)
+    impl = cfg.training.transformer_impl
     build = ModelBuildConfig(bf16=cfg.training.bf16,
-                             recompute_activations=cfg.training.recompute_activations)
+                             recompute_activations=cfg.training.recompute_activations,
+                             use_transformer_engine=None if impl == "auto"
+                             else impl == "transformer_engine")
     objs = build_training_objects(arch, build, cfg.optimizer, seed=cfg.training.seed,
                                   train_iters=cfg.training.train_iters)
     start_step, extra = 0, None

@@ -41,6 +41,7 @@ EXPECTED_FLAGS = {
     "--kl-alpha-max", "--kl-probe-responses", "--kl-probe-max-tokens", "--weight-sync", "--weight-sync-anchor-interval",
     "--weight-sync-verify-interval",
     "--peft", "--lora-rank", "--lora-alpha", "--lora-dropout", "--lora-targets",
+    "--transformer-impl",
 }
 
 
@@ -119,6 +120,9 @@ def test_valid_command_line_gives_frozen_config():
     (["--peft", "lora", "--lora-targets", "qkv,embedding"], 1, "--lora-targets"),
     (["--peft", "lora", "--lora-rank", "0"], 1, "--lora-rank must be >= 1"),
     (["--peft", "lora", "--lora-dropout", "1"], 1, r"--lora-dropout 1.0 must be in \[0, 1\)"),
+    (["--optimizer", "logra", "--transformer-impl", "transformer_engine"], 1,
+     "LoGRA's sketched linears .* use --transformer-impl local"),
+    (["--peft", "lora", "--transformer-impl", "transformer_engine"], 1, "LoRA's adapted"),
 ])
 def test_bad_command_lines_name_problem_and_fix(argv, world, match):
     with pytest.raises(ConfigError, match=match):
