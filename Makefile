@@ -23,10 +23,12 @@ test-fast: setup
 	$(PY) -m pytest tests -m "not distributed and not vllm"
 
 # Benchmarks print JSON figures (last line of each); see benchmarks/*.py for what they measure.
+# memory.py, memory_plan.py and step_time.py also refresh their tables in benchmarks/results/.
 bench: setup
 	$(PY) benchmarks/convert.py
-	$(PY) benchmarks/memory.py
-	$(PY) benchmarks/step_time.py
+	$(PY) benchmarks/memory.py --save
+	$(PY) benchmarks/memory_plan.py --measured benchmarks/results/memory.json --save
+	$(PY) benchmarks/step_time.py --save step_time
 	@test -f $(SMOL)/model.safetensors && test -e $(SMOL_CKPT)/latest \
 		|| { echo "benchmarks/sync.py needs SmolLM2: run make demo once"; exit 1; }
 	$(PY) benchmarks/sync.py

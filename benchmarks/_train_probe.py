@@ -1,17 +1,24 @@
-"""Shared by memory.py and step_time.py: one optimizer variant, measured in a fresh process.
+"""Shared by memory.py and step_time.py: one optimizer variant, measured in fresh processes.
 
-    python benchmarks/_train_probe.py JSON_SPEC     (prints one JSON line)
+    python benchmarks/_train_probe.py JSON_SPEC            one report (prints one JSON line)
+    torchrun --nproc-per-node N benchmarks/_train_probe.py JSON_SPEC   (a TP/PP/DP layout)
+    python benchmarks/_train_probe.py --serve JSON_SPEC    step on each "step" line of stdin
 
 The spec names a model shape (random init; only its config is needed), a variant
-(dense Adam with megatron's distributed optimizer, or LoGRA in a precision mode),
-the device and the batch. The child counts model-state bytes by enumerating every
-tensor the model, DDP and the optimizers hold (storages counted once), then runs
-train steps on random tokens and reports step times and peak memory: CUDA max
-allocated over the steps; on CPU the same quantity counted by hand, the bytes of
-Python-held tensors before the last step plus the peak of the live tensor storage
-allocated inside it (``runtime.live_bytes``; that step runs untimed, then a timed
-one). The CPU peak RSS over imports is reported beside it (allocator caching and
-freed-but-resident heap included, so it is no check of an analytic model).
+(dense Adam with megatron's distributed optimizer, LoGRA in a precision mode, or LoRA),
+the layout (``tp``, ``pp``; DP is what the process count leaves), the device and the
+batch. Each rank counts its model-state bytes by enumerating every tensor the model,
+DDP and the optimizers hold (storages counted once), then runs train steps on random
+tokens and reports step times and peak memory: CUDA max allocated over the steps; on
+CPU the same quantity counted by hand, the bytes of Python-held tensors before the last
+step plus the peak of the live tensor storage allocated inside it
+(``runtime.live_bytes``; that step runs untimed). The CPU peak RSS over imports is
+reported beside it (allocator caching and freed-but-resident heap included, so it is no
+check of an analytic model). Rank 0 prints every rank's figures.
+
+``--serve`` (step_time.py) builds once and then times one step per request, with the
+step's phases (``runtime.phase_times``), so two variants' processes can be stepped in
+turn and machine noise hits both alike.
 """
 
 from __future__ import annotations
@@ -30,15 +37,21 @@ sys.path.insert(0, str(REPO))
 SHAPES = {  # HF config fields of the benchmark shapes (random-init)
     "tiny": dict(family="llama", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                  intermediate_size=384, vocab_size=384),
+    "small": dict(family="llama", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                  intermediate_size=768, vocab_size=4096),  # tests: still quick, less tiny
     "smollm2-135m": dict(family="llama", hidden_size=576, num_layers=30, num_heads=9,
                          num_kv_heads=3, intermediate_size=1536, vocab_size=49152),
     "qwen2.5-1.5b": dict(family="qwen2", hidden_size=1536, num_layers=28, num_heads=12,
                          num_kv_heads=2, intermediate_size=8960, vocab_size=151936),
+    "qwen2.5-7b": dict(family="qwen2", hidden_size=3584, num_layers=28, num_heads=28,
+                       num_kv_heads=4, intermediate_size=18944, vocab_size=152064,
+                       tie_word_embeddings=False),
 }
-VARIANTS = {  # name -> (optimizer, master weights)
-    "dense_adam": ("adam", None),
-    "logra_fp32_master": ("logra", "fp32"),
-    "logra_none": ("logra", "none"),
+VARIANTS = {  # name -> (optimizer, LoGRA master weights, PEFT)
+    "dense_adam": ("adam", None, "none"),
+    "logra_fp32_master": ("logra", "fp32", "none"),
+    "logra_none": ("logra", "none", "none"),
+    "lora": ("adam", None, "lora"),
 }
 
 
@@ -94,74 +107,144 @@ def model_state_bytes(objs) -> dict[str, int]:
     return out
 
 
-def run(spec: dict) -> dict:
-    import torch
+class Probe:
+    """One variant's model, optimizer and batches on this rank, built once."""
 
-    if spec["device"] == "cpu":
-        os.environ["MEGATRON_LOGRA_DEVICE"] = "cpu"
-    from megatron_logra.config import LograConfig, OptimizerConfig
-    from megatron_logra.model.arch import load_arch
-    from megatron_logra.model.logits import causal_inputs
-    from megatron_logra.model.provider import ModelBuildConfig
-    from megatron_logra.runtime.device import init_runtime, peak_memory_bytes, synchronize
-    from megatron_logra.runtime.live_bytes import LiveTensorBytes
-    from megatron_logra.runtime.parallel import ParallelConfig, initialize
-    from megatron_logra.training.setup import build_training_objects
-    from megatron_logra.training.step import train_step
+    def __init__(self, spec: dict):
+        import torch
 
-    rt = init_runtime()
-    initialize(ParallelConfig(), 1, seed=0)
-    imports_rss = _current_rss()  # CPU: peak memory is counted over the interpreter + imports
-    arch = load_arch(shape_dir(spec["shape"]))
-    name, master = VARIANTS[spec["variant"]]
-    opt = OptimizerConfig(name=name, lr=1e-5, use_distributed_optimizer=True,
-                          logra=LograConfig(rank=spec["rank"], master_weights=master or "fp32",
-                                            update_ratio=6e-5,
-                                            targets=tuple(spec["targets"].split(",")),
-                                            untargeted=spec.get("untargeted", "frozen")))
-    build = ModelBuildConfig(bf16=True, recompute_activations=spec.get("recompute", False))
-    objs = build_training_objects(arch, build, opt, seed=0, train_iters=spec["steps"] + 1)
-    if rt.device.type == "cpu":  # count the steps' peak, not the build's transient copies
-        import gc
+        if spec["device"] == "cpu":
+            os.environ["MEGATRON_LOGRA_DEVICE"] = "cpu"
+        from megatron_logra.config import LograConfig, LoraConfig, OptimizerConfig
+        from megatron_logra.model.arch import load_arch
+        from megatron_logra.model.provider import ModelBuildConfig
+        from megatron_logra.runtime.device import init_runtime
+        from megatron_logra.runtime.parallel import ParallelConfig, initialize
+        from megatron_logra.training.setup import build_training_objects
 
-        gc.collect()
-        _release_freed_heap()
-        _reset_peak_rss()
-    elif rt.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    g = torch.Generator().manual_seed(0)
-    mbs, seq = spec["micro_batch_size"], spec["seq_length"]
-    times = []
-    live = LiveTensorBytes() if rt.device.type == "cpu" else None
-    for step in range(spec["steps"]):
-        last = step == spec["steps"] - 1
+        self.spec = spec
+        self.rt = init_runtime()
+        initialize(ParallelConfig(spec.get("tp", 1), spec.get("pp", 1)), self.rt.world_size,
+                   seed=0)
+        self.imports_rss = _current_rss()  # CPU: peak memory is counted over imports
+        self.arch = load_arch(shape_dir(spec["shape"]))
+        name, master, peft = VARIANTS[spec["variant"]]
+        opt = OptimizerConfig(name=name, lr=1e-5, use_distributed_optimizer=True, peft=peft,
+                              logra=LograConfig(rank=spec["rank"], master_weights=master or "fp32",
+                                                update_ratio=6e-5,
+                                                targets=tuple(spec["targets"].split(",")),
+                                                untargeted=spec.get("untargeted", "frozen")),
+                              lora=LoraConfig(rank=spec.get("lora_rank", 16)))
+        build = ModelBuildConfig(bf16=True, recompute_activations=spec.get("recompute", False),
+                                 use_transformer_engine=spec.get("transformer_engine", False))
+        self.objs = build_training_objects(self.arch, build, opt, seed=0,
+                                           train_iters=spec["steps"] + 1)
+        from megatron.core import parallel_state
+
+        # each DP rank its own tokens; TP and PP peers of one replica the same ones
+        self.generator = torch.Generator().manual_seed(parallel_state.get_data_parallel_rank())
+        if self.rt.device.type == "cpu":  # count the steps' peak, not the build's copies
+            import gc
+
+            gc.collect()
+            _release_freed_heap()
+            _reset_peak_rss()
+        elif self.rt.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+
+    def _batch(self) -> list[dict]:
+        import torch
+
+        from megatron_logra.model.logits import causal_inputs
+
+        mbs, seq = self.spec["micro_batch_size"], self.spec["seq_length"]
         batch = []
-        for _ in range(spec["microbatches"]):
-            tokens = torch.randint(0, arch.vocab_size, (mbs, seq), generator=g)
+        for _ in range(self.spec["microbatches"]):
+            tokens = torch.randint(0, self.arch.vocab_size, (mbs, seq), generator=self.generator)
             mb = causal_inputs(tokens)
             mb.update(labels=torch.roll(tokens, -1, 1), loss_mask=torch.ones(mbs, seq))
             batch.append(mb)
+        return batch
+
+    def _train_step(self, batch) -> None:
+        from megatron_logra.training.step import train_step
+
+        train_step(self.objs, batch, seq_length=self.spec["seq_length"],
+                   micro_batch_size=self.spec["micro_batch_size"])
+
+    def step(self) -> dict:
+        """One timed step: {"seconds", "phases": {name: seconds}}."""
+        from megatron_logra.runtime.device import synchronize
+        from megatron_logra.runtime.phase_times import PHASES
+
+        batch = self._batch()
         synchronize()
-        if last and live is not None:  # CPU: live tensor bytes of the last step (timed apart)
-            held_before = sum(_storages(_python_held_tensors()).values())
-            with live:
-                train_step(objs, batch, seq_length=seq, micro_batch_size=mbs)
-        t0 = time.perf_counter()
-        train_step(objs, batch, seq_length=seq, micro_batch_size=mbs)
+        PHASES.enabled = True
+        PHASES.take()
+        start = time.perf_counter()
+        self._train_step(batch)
         synchronize()
-        times.append(time.perf_counter() - t0)
-    if live is None:
-        peak = peak_memory_bytes()
-    else:
-        peak = held_before + live.peak_bytes
-    state = model_state_bytes(objs)  # after the steps: Adam creates its state lazily
-    n_params = sum(p.numel() for p in objs.model[0].parameters())
-    return {"variant": spec["variant"], "device": str(rt.device), "params": n_params,
-            "model_state_bytes": state,
-            "peak_mem_bytes": peak,  # CUDA max allocated; CPU live tensor bytes (see above)
-            "peak_rss_bytes": _rss() - imports_rss if live is not None else None,
-            "step_times_s": [round(t, 4) for t in times],
-            "step_time_s": min(times[1:] if len(times) > 1 else times)}
+        seconds = time.perf_counter() - start
+        PHASES.enabled = False
+        return {"seconds": seconds, "phases": PHASES.take()}
+
+    def peak_step(self) -> int:
+        """One untimed step; its peak memory (CUDA max allocated since the build, or on CPU
+        the Python-held tensors before it plus the peak live storage allocated inside it)."""
+        from megatron_logra.runtime.device import peak_memory_bytes, synchronize
+        from megatron_logra.runtime.live_bytes import LiveTensorBytes
+
+        batch = self._batch()
+        synchronize()
+        if self.rt.device.type != "cpu":
+            self._train_step(batch)
+            synchronize()
+            return peak_memory_bytes()
+        held_before = sum(_storages(_python_held_tensors()).values())
+        with LiveTensorBytes() as live:
+            self._train_step(batch)
+        return held_before + live.peak_bytes
+
+    def report(self, times: list[float], peak: int) -> dict:
+        model = self.objs.model[0]
+        return {"variant": self.spec["variant"], "device": str(self.rt.device),
+                "rank": self.rt.rank, "params": sum(p.numel() for p in model.parameters()),
+                "model_state_bytes": model_state_bytes(self.objs),  # after the steps: Adam
+                "peak_mem_bytes": peak,  # creates its state lazily
+                "peak_rss_bytes": (_rss() - self.imports_rss
+                                   if self.rt.device.type == "cpu" else None),
+                "step_times_s": [round(t, 4) for t in times],
+                "step_time_s": min(times[1:] if len(times) > 1 else times) if times else None}
+
+
+def run(spec: dict) -> dict:
+    """Build, ``steps - 1`` timed steps, then the peak step; every rank's report on rank 0
+    (``ranks``, by global rank) with rank 0's figures at the top level."""
+    import torch.distributed as dist
+
+    probe = Probe(spec)
+    times = [probe.step()["seconds"] for _ in range(spec["steps"] - 1)]
+    mine = probe.report(times, probe.peak_step())
+    ranks = [None] * probe.rt.world_size
+    dist.all_gather_object(ranks, mine)
+    return dict(mine, ranks=ranks, layout={"tp": spec.get("tp", 1), "pp": spec.get("pp", 1),
+                                           "dp": probe.rt.world_size
+                                           // (spec.get("tp", 1) * spec.get("pp", 1))})
+
+
+def serve(spec: dict) -> None:
+    """Build, then answer each stdin line: "step" -> one timed step's JSON, "report" -> the
+    model-state report; EOF ends."""
+    probe = Probe(spec)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "step":
+            print(json.dumps(probe.step()), flush=True)
+        elif command == "report":
+            print(json.dumps(probe.report([], 0)), flush=True)
+        else:
+            print(json.dumps({"error": f"unknown command {command!r}"}), flush=True)
 
 
 def _python_held_tensors():
@@ -203,18 +286,56 @@ def _reset_peak_rss() -> None:
 
 
 def measure(spec: dict) -> dict:
-    """Run one spec in a fresh subprocess (its own peak) and return its report."""
+    """Run one spec in fresh processes (their own peaks): one process, or torchrun with
+    ``tp * pp * dp`` of them. Returns rank 0's report (every rank's under ``ranks``)."""
     import subprocess
 
-    proc = subprocess.run([sys.executable, __file__, json.dumps(spec)], cwd=REPO,
-                          capture_output=True, text=True)
+    procs = spec.get("tp", 1) * spec.get("pp", 1) * spec.get("dp", 1)
+    cmd = [sys.executable, __file__, json.dumps(spec)]
+    if procs > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={procs}", *cmd[1:]]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS=str(max(1, 2 // procs))))
     if proc.returncode != 0:
         raise SystemExit(f"{spec} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class Server:
+    """A ``--serve`` child: ``step()`` times one step of its variant in its own process."""
+
+    def __init__(self, spec: dict):
+        import subprocess
+
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", json.dumps(spec)],
+                                     cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self._read()  # ready
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"the probe process exited ({self.proc.wait()}); see its stderr")
+        return json.loads(line)
+
+    def ask(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 if __name__ == "__main__":
     import warnings
 
     warnings.filterwarnings("ignore")
-    print(json.dumps(run(json.loads(sys.argv[1]))))
+    if sys.argv[1] == "--serve":
+        serve(json.loads(sys.argv[2]))
+    else:
+        report = run(json.loads(sys.argv[1]))
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(report))

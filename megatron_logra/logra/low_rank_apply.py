@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron_logra.logra.projection import projection_block
-from megatron_logra.logra.rounding import stochastic_round_bf16_
+from megatron_logra.logra.rounding import stochastic_round_bits_
 from megatron_logra.logra.row_adam import DEFAULT_CHUNK_ROWS, apply_low_rank_update
 
 
@@ -31,7 +31,7 @@ def apply_bf16_update(weight: torch.Tensor, d: torch.Tensor, coefficient: float,
                                       kind=kind, device=weight.device)
 
     def round_fn(new: torch.Tensor, r0: int) -> torch.Tensor:
-        return stochastic_round_bf16_(new, seed, global_rows[r0:r0 + new.shape[0]], col_offset)
+        return stochastic_round_bits_(new, seed, global_rows[r0:r0 + new.shape[0]], col_offset)
 
     apply_low_rank_update(weight, d, projection, coefficient, chunk_rows=chunk_rows,
                           round_fn=round_fn)

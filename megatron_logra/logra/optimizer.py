@@ -397,7 +397,11 @@ class LograOptimizer:
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the sketched weights (for the memory accounting)."""
+        indices = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                   for slot, owned in zip(self.sketches.slots, self.owned_modules)
+                   for t in (slot.global_rows, slot.module_rows, owned)}
         return {"sketches": self.sketches.sketch_bytes(),
+                "row_indices": sum(indices.values()),  # int64: global row, HF module
                 "row_states": sum(v.numel() * 4 for v in self.row_v),
                 "masters": sum(m.numel() * 4 for m in self.masters if m is not None),
                 "projections": sum(s.projection.numel() * s.projection.element_size()

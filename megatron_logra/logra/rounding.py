@@ -64,12 +64,14 @@ def stochastic_round_bf16(values: torch.Tensor, seed: int, rows: torch.Tensor,
     cut. For a negative value the two's-complement add is the same bit pattern as adding
     to its magnitude, so both signs round away from zero with probability equal to the
     cut fraction (unbiased); non-finite values are only truncated."""
-    return stochastic_round_bf16_(values.clone(), seed, rows, col0)
+    return stochastic_round_bits_(values.clone(), seed, rows, col0).to(torch.bfloat16)
 
 
-def stochastic_round_bf16_(values: torch.Tensor, seed: int, rows: torch.Tensor,
+def stochastic_round_bits_(values: torch.Tensor, seed: int, rows: torch.Tensor,
                            col0: int) -> torch.Tensor:
-    """``stochastic_round_bf16`` using ``values`` (contiguous fp32, overwritten) as scratch."""
+    """``stochastic_round_bf16`` in place on contiguous fp32 ``values``, which are left
+    holding the rounded bf16 values in fp32 (low 16 bits zero: a bf16 copy of them is
+    exact, e.g. straight into the weight). Returns ``values``."""
     if values.dtype != torch.float32 or values.dim() != 2 or rows.shape != values.shape[:1] \
             or not values.is_contiguous():
         raise ValueError(f"want a contiguous 2-D fp32 tensor and one row index per row, got "
@@ -79,9 +81,10 @@ def stochastic_round_bf16_(values: torch.Tensor, seed: int, rows: torch.Tensor,
     noise = rounding_noise(seed, rows.to(device=device, dtype=torch.int64), cols)
     keep_high = -65536  # 0xFFFF0000 as int32
     bits = values.view(torch.int32)
-    if bool(torch.isfinite(values).all()):
+    low, high = torch.aminmax(values)  # one read; NaN propagates into both
+    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
         bits.add_(noise).bitwise_and_(keep_high)
-    else:
+    else:  # non-finite: truncate only (adding noise could wrap a NaN's bits into a number)
         bits.copy_(torch.where(torch.isfinite(values), (bits + noise) & keep_high,
                                bits & keep_high))
-    return values.to(torch.bfloat16)
+    return values

@@ -128,8 +128,9 @@ def apply_low_rank_update(weight: torch.Tensor, d: torch.Tensor, projection: tor
                           scale: float, *, chunk_rows: int = DEFAULT_CHUNK_ROWS,
                           round_fn=None, exact: bool = True) -> None:
     """In place: W [out, in] -= scale * D [out, r] @ A [r, in], ``chunk_rows`` rows at a time
-    (D A is never formed whole). ``round_fn(new_fp32, row0) -> weight dtype`` rounds each chunk
-    (default: round to nearest); ``exact`` as in ``low_rank_product``. An fp32 W without
+    (D A is never formed whole). ``round_fn(new_fp32, row0)`` rounds each chunk (default:
+    round to nearest), returning it in W's dtype or as fp32 values W's dtype holds exactly;
+    ``exact`` as in ``low_rank_product``. An fp32 W without
     ``exact`` or ``round_fn`` (an fp32 master) takes one in-place GEMM, W += (-scale) D A."""
     if d.shape[0] != weight.shape[0] or d.shape[1] != projection.shape[0] \
             or projection.shape[1] != weight.shape[1]:
@@ -143,5 +144,8 @@ def apply_low_rank_update(weight: torch.Tensor, d: torch.Tensor, projection: tor
         rows = slice(r0, min(r0 + chunk_rows, weight.shape[0]))
         d_rows = d[rows].double() if exact else d[rows].float()
         new = (d_rows @ a).float()  # fp32 D A of the chunk (fp64 products when exact)
-        new.mul_(-scale).add_(weight[rows])  # W - scale D A, the same bits as written so
-        weight[rows] = new.to(weight.dtype) if round_fn is None else round_fn(new, r0)
+        if scale == 1.0:  # the usual case: the coefficient is already in the bf16 factor
+            torch.sub(weight[rows], new, out=new)  # W - D A in one pass
+        else:
+            new.mul_(-scale).add_(weight[rows])  # W - fp32(scale D A)
+        weight[rows].copy_(new if round_fn is None else round_fn(new, r0))  # cast in the copy

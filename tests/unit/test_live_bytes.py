@@ -48,17 +48,22 @@ def _run(cmd: list[str]) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_memory_plan_matches_measured_peak_on_tiny_shape(tmp_path, recompute):
-    """benchmarks/memory_plan.py's op-by-op activation count vs the measured peak
-    (model state + live tensors of a train step) for dense Adam and both LoGRA modes."""
-    cmd = [sys.executable, str(REPO / "benchmarks/memory.py"), "--shape", "tiny",
-           "--rank", "16", "--seq-length", "64", "--steps", "1"]
-    (tmp_path / "m.json").write_text(_run(cmd + (["--recompute"] if recompute else [])))
+@pytest.mark.parametrize("layouts", ["DP2,PP2", "DP1,TP2"])
+def test_memory_plan_matches_the_measured_layouts(tmp_path, layouts):
+    """benchmarks/memory_plan.py vs benchmarks/memory.py on the small shape: every method
+    (dense Adam, LoGRA in both modes, LoRA) at DP1, DP2 (sharded optimizers), TP2 and PP2
+    (two stages, two microbatches in flight on the first): the busiest rank's model state
+    within 2% and its peak within 10% (measured here: 0.6% and 6%)."""
+    cmd = [sys.executable, str(REPO / "benchmarks/memory.py"), "--shape", "small",
+           "--rank", "16", "--lora-rank", "8", "--seq-length", "128", "--steps", "2",
+           "--layouts", layouts]
+    (tmp_path / "m.json").write_text(_run(cmd))
     out = _run([sys.executable, str(REPO / "benchmarks/memory_plan.py"),
                 "--measured", str(tmp_path / "m.json")])
     report = json.loads(out.strip().splitlines()[-1])["validation"]
-    for variant in ("dense_adam", "logra_fp32_master", "logra_none"):
-        assert report[variant]["rel_error"] <= 0.10, report
-        assert report[variant]["peak_rel_error"] <= 0.10, report
+    checked = [k for k in report if k != "ok"]
+    assert len(checked) == 8, report
+    for key in checked:
+        assert report[key]["state_rel_error"] <= 0.02, (key, report[key])
+        assert report[key]["peak_rel_error"] <= 0.10, (key, report[key])
     assert report["ok"]

@@ -13,7 +13,7 @@ from megatron_logra.logra.rounding import (
     _rounding_noise_int64,
     rounding_noise,
     stochastic_round_bf16,
-    stochastic_round_bf16_,
+    stochastic_round_bits_,
 )
 
 
@@ -232,10 +232,10 @@ def test_stochastic_rounding_is_unbiased_and_brackets_the_value():
     got = stochastic_round_bf16(odd, 3, torch.zeros(1, dtype=torch.int64), 0).float()
     assert got[0, 0].isnan() and got[0, 1] == -float("inf") and got[0, 2] == 3.0
     scratch = x.clone()
-    assert torch.equal(stochastic_round_bf16_(scratch, 0, torch.zeros(1, dtype=torch.int64), 0)
-                       .float(), out)
+    in_place = stochastic_round_bits_(scratch, 0, torch.zeros(1, dtype=torch.int64), 0)
+    assert in_place is scratch and torch.equal(scratch, out)  # fp32 holding the bf16 values
     with pytest.raises(ValueError, match="contiguous"):
-        stochastic_round_bf16_(torch.randn(4, 6)[:, ::2], 0, torch.arange(4), 0)
+        stochastic_round_bits_(torch.randn(4, 6)[:, ::2], 0, torch.arange(4), 0)
 
 
 def test_int32_rounding_noise_equals_the_int64_arithmetic():

@@ -1,0 +1,82 @@
+"""benchmarks/memory_plan.py: its tensor inventory, its layouts, and the CLI's own checks."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import memory_plan  # noqa: E402
+
+from megatron_logra.cli import ConfigError, _check_logra_fits  # noqa: E402
+from megatron_logra.config import LograConfig  # noqa: E402
+from megatron_logra.runtime.parallel import ParallelConfig  # noqa: E402
+
+
+def _numel(blocks):
+    return sum(b.numel for b in blocks)
+
+
+def test_the_27b_config_loads_and_counts_27b_parameters():
+    arch, params = memory_plan.model_of("qwen3-27b")
+    assert arch.family == "qwen3" and arch.qk_norm and not arch.tie_word_embeddings
+    total = sum(memory_plan._numel(p.shape) for p in params)
+    assert 27.0e9 < total < 27.5e9, total
+    # per layer: q/k/v/o, gate/up/down, two RMSNorms and the q/k norms; plus embedding,
+    # output layer and the final norm
+    h, hd, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    layer = ((arch.num_attention_heads + 2 * arch.num_kv_heads) * hd * h
+             + h * arch.num_attention_heads * hd + 3 * h * f + 2 * h + 2 * hd)
+    assert total == arch.num_layers * layer + 2 * arch.padded_vocab_size * h + h
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (4, 2), (8, 1), (2, 2)])
+def test_rank_blocks_cover_the_model_once_over_tp_and_pp(tp, pp):
+    """Summed over stages and TP ranks, the blocks are the whole model plus what megatron
+    replicates over TP (the norms): nothing lost, nothing split twice."""
+    arch, params = memory_plan.model_of("qwen3-27b")
+    total = sum(memory_plan._numel(p.shape) for p in params)
+    replicated = sum(memory_plan._numel(p.shape) for p in params if p.split_dim is None)
+    got = sum(tp * _numel(memory_plan.rank_params("qwen3-27b", tp, pp, s)) for s in range(pp))
+    assert got == total + (tp - 1) * replicated
+
+
+def test_a_tied_embedding_has_a_copy_on_the_last_stage_only_with_pipelines():
+    one = memory_plan.rank_params("smollm2-135m", 1, 1, 0)
+    assert [b.role for b in one].count("embedding") == 1 and "output" not in [b.role for b in one]
+    last = memory_plan.rank_params("smollm2-135m", 1, 2, 1)
+    assert [b.role for b in last].count("output") == 1
+
+
+@pytest.mark.parametrize("shape", ["qwen2.5-1.5b", "qwen2.5-7b", "qwen3-27b"])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (4, 1), (8, 1), (1, 4), (4, 2)])
+def test_projected_layouts_are_the_ones_the_cli_accepts(shape, tp, pp):
+    """The projection lists a layout for a method exactly when the trainer would take it:
+    ModelArch.check_parallel for everyone, and LoGRA's qkv sketch needs TP <= kv heads."""
+    arch, _ = memory_plan.model_of(shape)
+    try:
+        arch.check_parallel(tp, pp)
+        splits = True
+    except ValueError:
+        splits = False
+    assert memory_plan.cli_accepts(shape, tp, pp, "dense_adam") == splits
+    try:
+        _check_logra_fits(LograConfig(), arch, ParallelConfig(tp, pp))
+        logra_fits = True
+    except ConfigError:
+        logra_fits = False
+    assert memory_plan.cli_accepts(shape, tp, pp, "logra") == (splits and logra_fits)
+
+
+def test_dense_adam_shards_only_its_optimizer_over_dp():
+    blocks = memory_plan.rank_params("smollm2-135m", 1, 1, 0)
+    n = _numel(blocks)
+    for dp in (1, 2, 4):
+        state = memory_plan.model_state(blocks, dp, method="dense_adam")
+        assert state["total"] == 2 * n + 4 * n + 12 * n / dp  # bf16 w, fp32 grad, sharded
+        logra = memory_plan.model_state(blocks, dp, method="logra", master="fp32")
+        assert logra["grads"] == logra["dense_optimizer"] == 0  # untargeted frozen
+        assert logra["logra_masters"] == pytest.approx(
+            4 * sum(b.numel for b in blocks if b.role in memory_plan.ROLES) / dp)
