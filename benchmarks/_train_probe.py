@@ -55,6 +55,19 @@ VARIANTS = {  # name -> (optimizer, LoGRA master weights, PEFT)
 }
 
 
+def add_setup_args(p, steps: int, steps_help: str) -> None:
+    """The flags memory.py and step_time.py share: the batch, recompute and LoGRA's scope."""
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--steps", type=int, default=steps, help=steps_help)
+    p.add_argument("--recompute", action="store_true", help="full activation recompute")
+    p.add_argument("--targets", default="qkv,proj,fc1,fc2",
+                   help="LoGRA's sketched weights (--logra-targets; the paper's four)")
+    p.add_argument("--untargeted", choices=("frozen", "adam"), default="frozen",
+                   help="LoGRA's unsketched parameters (--logra-untargeted; the paper freezes)")
+
+
 def shape_dir(shape: str) -> str:
     from megatron_logra.model.tiny_assets import tiny_hf_config
 

@@ -29,7 +29,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import mib, save  # noqa: E402
-from _train_probe import REPO, SHAPES, VARIANTS, measure, shape_dir  # noqa: E402
+from _train_probe import (  # noqa: E402
+    REPO,
+    SHAPES,
+    VARIANTS,
+    add_setup_args,
+    measure,
+    shape_dir,
+)
 
 sys.path.insert(0, str(REPO))
 
@@ -48,15 +55,7 @@ def parse(argv=None) -> argparse.Namespace:
                    help=f"comma list of {list(VARIANTS)}")
     p.add_argument("--rank", type=int, default=256, help="LoGRA's sketch rank")
     p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--microbatches", type=int, default=2)
-    p.add_argument("--steps", type=int, default=2, help="the last one measures the peak")
-    p.add_argument("--recompute", action="store_true", help="full activation recompute")
-    p.add_argument("--targets", default="qkv,proj,fc1,fc2",
-                   help="LoGRA's sketched weights (--logra-targets; the paper's four)")
-    p.add_argument("--untargeted", choices=("frozen", "adam"), default="frozen",
-                   help="LoGRA's unsketched parameters (--logra-untargeted; the paper freezes)")
+    add_setup_args(p, 2, "the last one measures the peak")
     p.add_argument("--save", action="store_true",
                    help="also write benchmarks/results/memory.json and memory.md")
     args = p.parse_args(argv)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import save  # noqa: E402
-from _train_probe import SHAPES, Server  # noqa: E402
+from _train_probe import SHAPES, Server, add_setup_args  # noqa: E402
 
 TARGETS = {256: 0.85, 64: 0.7}
 MODES = {"fp32": "logra_fp32_master", "none": "logra_none"}
@@ -40,15 +40,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--ranks", default="64,256", help="LoGRA ranks, comma-separated")
     p.add_argument("--modes", default="fp32,none", help="LoGRA precision modes: fp32, none")
-    p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--microbatches", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8, help="rounds (the first is a warm-up)")
-    p.add_argument("--recompute", action="store_true", help="full activation recompute")
-    p.add_argument("--targets", default="qkv,proj,fc1,fc2",
-                   help="LoGRA's sketched weights (--logra-targets; the paper's four)")
-    p.add_argument("--untargeted", choices=("frozen", "adam"), default="frozen",
-                   help="LoGRA's unsketched parameters (--logra-untargeted; the paper freezes)")
+    add_setup_args(p, 8, "rounds (the first is a warm-up)")
     p.add_argument("--transformer-engine", action="store_true",
                    help="dense Adam on TE's layer spec (CUDA; LoGRA stays on the local spec)")
     p.add_argument("--save", metavar="NAME",
