@@ -76,13 +76,17 @@ def projection_block(seed: int, rank: int, cols: tuple[int, int], *, kind: str =
 SIGNS_PER_WORD = 32
 
 
+def as_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 words in [0, 2^32) -> int32 with the same 32 bits."""
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
 def rademacher_signs(seed: int, rows: torch.Tensor, cols: tuple[int, int]) -> torch.Tensor:
     """[len(rows), c1 - c0] int32 +-1: bit (c mod 32) of word (row, c // 32), stream 0."""
     c0, c1 = cols
     first, last = c0 // SIGNS_PER_WORD, -(-c1 // SIGNS_PER_WORD)
     blocks = torch.arange(first, last, device=rows.device)
-    words = counter_words(seed, rows, blocks, stream=0)  # [r, blocks] in [0, 2^32)
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    words = as_int32(counter_words(seed, rows, blocks, stream=0))  # [r, blocks]
     shifts = torch.arange(SIGNS_PER_WORD, dtype=torch.int32, device=rows.device)
     # bit k of each word (an arithmetic shift's sign fill lands only above bit 31 - k)
     bits = (words[:, :, None] >> shifts).bitwise_and_(1).view(len(rows), -1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_logra.logra.projection import MASK32, hash32
+from megatron_logra.logra.projection import MASK32, as_int32, hash32
 
 
 def rounding_noise(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -29,7 +29,7 @@ def rounding_noise(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.T
     ``_rounding_noise_int64`` spells out (the tests check they agree), at a quarter of the
     memory traffic. Shifts are arithmetic in int32, so each is masked to 16 bits."""
     h_row, h_col = _row_and_column_hashes(seed, rows, cols)
-    mixed = _as_int32(h_col)[None, :] * 0x9E37 + _as_int32(h_row)[:, None]
+    mixed = as_int32(h_col)[None, :] * 0x9E37 + as_int32(h_row)[:, None]
     mixed ^= (mixed >> 16).bitwise_and_(0xFFFF)
     mixed *= 0x2C1B3C6D
     return (mixed >> 16).bitwise_and_(0xFFFF)
@@ -40,11 +40,6 @@ def _row_and_column_hashes(seed: int, rows: torch.Tensor, cols: torch.Tensor):
                               device=rows.device))
     return (hash32((rows.to(torch.int64) ^ key) & MASK32),
             hash32((cols.to(torch.int64) + key) & MASK32))
-
-
-def _as_int32(words: torch.Tensor) -> torch.Tensor:
-    """int64 words in [0, 2^32) -> int32 with the same 32 bits."""
-    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 
 def _rounding_noise_int64(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
