@@ -303,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"%(default)s); the report covers every method with runs")
     p.add_argument("--seeds", default=None,
                    help="comma list of seeds (default: the setup's, 1,2)")
+    p.add_argument("--updates", type=int, default=None,
+                   help="RL updates per run (default: the setup's, 24); with a fresh --runs "
+                        "and --results, e.g. a short throughput measurement")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
@@ -314,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
             s["seeds"] = [int(x) for x in args.seeds.split(",")]
         except ValueError:
             p.error(f"--seeds {args.seeds!r}: give integers, e.g. 1,2")
+    if args.updates is not None:
+        if args.updates < 1:
+            p.error(f"--updates {args.updates} must be >= 1")
+        s["updates"] = args.updates
+        s["round"] = min(s["round"], args.updates)
     suffix = "-quick" if args.quick else ""
     runs = Path(args.runs or REPO / "runs" / f"quality{suffix}")
     results = Path(args.results or REPO / "benchmarks" / "results")
