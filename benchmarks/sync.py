@@ -30,22 +30,21 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from memory_plan import SHAPES, layer_linears  # noqa: E402
+from memory_plan import PROJECTED, ROLES, rank_params  # noqa: E402
 
 MODEL, CKPT = REPO / "models" / "smollm2-135m-instruct", REPO / "ckpts" / "smollm2"
 
 
-def projected_bytes(shape_name: str, rank: int) -> dict:
+def projected_bytes(shape: str, rank: int) -> dict:
     """bf16 bytes per sync: full (every param) vs sketch delta (out x r bf16 D + 8-byte row
-    index per sketched row, norms in full; the embedding sketched, all rows counted)."""
-    s = SHAPES[shape_name]
-    linears = layer_linears(s)
-    full_linear = sum(o * i for o, i, _ in linears) * s.layers
-    norms = (2 * s.layers + 1) * s.hidden
-    embedding = s.vocab * s.hidden * (1 if s.tied else 2)
-    full = 2 * (full_linear + norms + embedding)
-    sketched_rows = sum(o for o, _, _ in linears) * s.layers + s.vocab * (1 if s.tied else 2)
-    delta = sketched_rows * (2 * rank + 8) + 2 * norms
+    index per sketched row, the other tensors (norms, biases) in full; the embedding and an
+    untied output layer sketched, all rows counted). From the tensors megatron builds for
+    ``shape`` (``memory_plan.rank_params`` at TP1/PP1)."""
+    blocks = rank_params(shape, 1, 1, 0)
+    full = 2 * sum(b.numel for b in blocks)
+    sketched_rows = sum(b.rows for b in blocks if b.role in ROLES + ("embedding", "output"))
+    others = sum(b.numel for b in blocks if b.role == "other")
+    delta = sketched_rows * (2 * rank + 8) + 2 * others
     return {"full_bytes": full, "sketch_delta_bytes": delta,
             "sync_bytes_ratio": round(delta / full, 5)}
 
@@ -199,7 +198,8 @@ def main(argv=None) -> None:
     report = {"benchmark": "sync", "model": "smollm2-135m", "rank": args.rank,
               "updates": args.updates, "per_update": rows, "full": full, **per,
               "verify_time_s": verify_time + engine_verify,
-              "projection": {name: projected_bytes(name, 256) for name in ("7B", "27B")},
+              "projection": {name: projected_bytes(PROJECTED[name], 256)
+                             for name in ("7B", "27B")},
               "projection_smollm2_r": projected_bytes("smollm2-135m", args.rank),
               "sparse_bytes_ratio": round(per["sparse-delta"]["delta_bytes"] / full["full_bytes"], 5),
               "sync_bytes_ratio": round(per["sketch-delta"]["delta_bytes"] / full["full_bytes"], 5),

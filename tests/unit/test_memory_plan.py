@@ -80,3 +80,18 @@ def test_dense_adam_shards_only_its_optimizer_over_dp():
         assert logra["grads"] == logra["dense_optimizer"] == 0  # untargeted frozen
         assert logra["logra_masters"] == pytest.approx(
             4 * sum(b.numel for b in blocks if b.role in memory_plan.ROLES) / dp)
+
+
+def test_sync_projection_counts_the_model_megatron_builds():
+    """benchmarks/sync.py's projected bytes per push come from the same tensor inventory:
+    a full push is every parameter in bf16; a sketch delta r bf16 + an 8-byte index per
+    sketched row plus the small tensors in full."""
+    import sync
+
+    _, params = memory_plan.model_of("qwen3-27b")
+    got = sync.projected_bytes("qwen3-27b", 256)
+    assert got["full_bytes"] == 2 * sum(memory_plan._numel(p.shape) for p in params)
+    rows = sum(p.shape[0] for p in params if p.role != "other")
+    small = sum(memory_plan._numel(p.shape) for p in params if p.role == "other")
+    assert got["sketch_delta_bytes"] == rows * (2 * 256 + 8) + 2 * small
+    assert 0.03 < got["sync_bytes_ratio"] < 0.05
