@@ -69,12 +69,17 @@ def add_setup_args(p, steps: int, steps_help: str) -> None:
 
 
 def shape_dir(shape: str) -> str:
+    """A model folder holding only the shape's config.json (one per shape and user under
+    the temp dir, rewritten atomically, so repeated probes leave no new folders)."""
     from megatron_logra.model.tiny_assets import tiny_hf_config
 
     kw = dict(SHAPES[shape])
     family = kw.pop("family")
-    out = Path(tempfile.mkdtemp(prefix=f"shape-{shape}-"))
-    (out / "config.json").write_text(json.dumps(tiny_hf_config(family, **kw)))
+    out = Path(tempfile.gettempdir()) / f"megatron_logra-shape-{shape}-{os.getuid()}"
+    out.mkdir(exist_ok=True)
+    tmp = out / f"config.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(tiny_hf_config(family, **kw)))
+    tmp.replace(out / "config.json")
     return str(out)
 
 
