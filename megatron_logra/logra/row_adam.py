@@ -55,7 +55,6 @@ def row_denominator(rho: torch.Tensor, mean_rho: float | torch.Tensor,
     return torch.where(denom > 0, denom, torch.ones_like(denom))
 
 
-
 def direction_(sketch: torch.Tensor, rho: torch.Tensor, mean_rho: float | torch.Tensor,
                eps: float) -> torch.Tensor:
     """In place: an fp32 sketch [out, r] becomes D (as ``direction``); returns it."""
@@ -75,24 +74,15 @@ def restoration_factors(sketch_sq: torch.Tensor, direction_sq: torch.Tensor) -> 
     return torch.where(ok, (sketch_sq / torch.where(ok, direction_sq, 1.0)).sqrt(), 0.0)
 
 
-def update_sq_norm(d: torch.Tensor, projection: torch.Tensor,
-                   gram: torch.Tensor | None = None) -> torch.Tensor:
+def update_sq_norm(d: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     """||D A||_F^2 without forming D A: sum_i (D (A A^T))_i . D_i, D [out, r], A [r, in].
 
     For a column slice A[:, c0:c1] it gives that slice's share, so summing over the slices
     (tensor-parallel ranks of a row-parallel layer) gives the whole norm. fp32 products (cost
-    r^2 (in + out), under one D A product; ``gram`` = A A^T when the caller has it), per-row
-    fp32 dots of r terms, fp64 sum over rows."""
-    if gram is None:
-        gram = projection_gram(projection)
-    d = d.float()
-    return torch.linalg.vecdot(d @ gram, d, dim=1).double().sum()
-
-
-def projection_gram(projection: torch.Tensor) -> torch.Tensor:
-    """A A^T [r, r] fp32 of a projection block A [r, in]."""
-    a = projection.float()
-    return a @ a.t()
+    r^2 (in + out), under one D A product), per-row fp32 dots of r terms, fp64 sum over
+    rows."""
+    a, d = projection.float(), d.float()
+    return torch.linalg.vecdot(d @ (a @ a.t()), d, dim=1).double().sum()
 
 
 def weight_sq_norm(weight: torch.Tensor, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> float:
@@ -142,8 +132,7 @@ def apply_low_rank_update(weight: torch.Tensor, d: torch.Tensor, projection: tor
     a = projection.double() if exact else projection.float()  # converted once, not per chunk
     for r0 in range(0, weight.shape[0], chunk_rows):
         rows = slice(r0, min(r0 + chunk_rows, weight.shape[0]))
-        d_rows = d[rows].double() if exact else d[rows].float()
-        new = (d_rows @ a).float()  # fp32 D A of the chunk (fp64 products when exact)
+        new = low_rank_product(d[rows], a, exact)  # fp32 D A of the chunk
         if scale == 1.0:  # the usual case: the coefficient is already in the bf16 factor
             torch.sub(weight[rows], new, out=new)  # W - D A in one pass
         else:
