@@ -68,17 +68,24 @@ def add_setup_args(p, steps: int, steps_help: str) -> None:
                    help="LoGRA's unsketched parameters (--logra-untargeted; the paper freezes)")
 
 
-def shape_dir(shape: str) -> str:
-    """A model folder holding only the shape's config.json (one per shape and user under
-    the temp dir, rewritten atomically, so repeated probes leave no new folders)."""
+def hf_config(shape: str) -> dict:
+    """The HF config.json of a benchmark shape: ``SHAPES`` above, or benchmarks/configs/."""
+    path = Path(__file__).resolve().parent / "configs" / f"{shape}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
     from megatron_logra.model.tiny_assets import tiny_hf_config
 
     kw = dict(SHAPES[shape])
-    family = kw.pop("family")
+    return tiny_hf_config(kw.pop("family"), **kw)
+
+
+def shape_dir(shape: str) -> str:
+    """A model folder holding only the shape's config.json (one per shape and user under
+    the temp dir, rewritten atomically, so repeated probes leave no new folders)."""
     out = Path(tempfile.gettempdir()) / f"megatron_logra-shape-{shape}-{os.getuid()}"
     out.mkdir(exist_ok=True)
     tmp = out / f"config.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(tiny_hf_config(family, **kw)))
+    tmp.write_text(json.dumps(hf_config(shape)))
     tmp.replace(out / "config.json")
     return str(out)
 

@@ -57,19 +57,6 @@ class Param:
     role: str  # qkv | proj | fc1 | fc2 | embedding | output | other
 
 
-def hf_config(shape: str) -> dict:
-    """The HF config.json of a benchmark shape (``_train_probe.SHAPES`` or configs/)."""
-    path = HERE / "configs" / f"{shape}.json"
-    if path.is_file():
-        return json.loads(path.read_text())
-    from _train_probe import SHAPES
-
-    from megatron_logra.model.tiny_assets import tiny_hf_config
-
-    kw = dict(SHAPES[shape])
-    return tiny_hf_config(kw.pop("family"), **kw)
-
-
 @lru_cache(maxsize=None)
 def model_of(shape: str):
     """(ModelArch, [Param]) from megatron's model built on the meta device at TP1/PP1."""
@@ -85,6 +72,8 @@ def model_of(shape: str):
 
     init_runtime()
     initialize(ParallelConfig(), 1, seed=0)
+    from _train_probe import hf_config
+
     arch = arch_from_hf_config(hf_config(shape))
     model = build_meta_model(arch, ModelBuildConfig(bf16=True, use_transformer_engine=False))
     params = []
