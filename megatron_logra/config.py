@@ -120,16 +120,40 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class LoggingConfig:
+    """Where the metrics go besides ``metrics.jsonl`` (megatron's flag names)."""
+
+    tensorboard_dir: str | None = None
+    """Write every metric (and the resolved config, as text) as TensorBoard events here."""
+    wandb_project: str | None = None
+    """Log every metric and the resolved config to this Weights & Biases project
+    (WANDB_MODE=offline writes a local run that 'wandb sync' uploads later; an unreachable
+    service never stops the run)."""
+    wandb_exp_name: str | None = None
+    """The W&B run's name (default: the --output-dir folder's name)."""
+    wandb_save_dir: str | None = None
+    """Where W&B keeps its run files (default: --output-dir)."""
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelSource
     output_dir: str = "runs/latest"
     """Where config.json and metrics.jsonl go."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    flag_sources: dict[str, dict] = field(default_factory=dict,
+                                          metadata=flag_spec(cli=False))
+    """{flag: {"value", "source"}}: every flag's resolved value and where it came from
+    (default, a --config file, or the command line); written to config.json."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The configs (``flag_sources`` left out: config.json writes it on its own)."""
+        out = asdict(self)
+        out.pop("flag_sources")
+        return out

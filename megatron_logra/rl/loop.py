@@ -48,6 +48,7 @@ from megatron_logra.data.tasks import generate_items
 from megatron_logra.rl.verifiers import Verifier, VerifierConfig
 from megatron_logra.runtime.device import peak_memory_bytes, synchronize
 from megatron_logra.training import checkpointing
+from megatron_logra.training.log_sinks import open_metrics_log
 from megatron_logra.training.metrics import MetricsLog
 from megatron_logra.training.step import global_report_sums, train_step
 from megatron_logra.training.prepare import RunResult, prepare_training
@@ -275,16 +276,16 @@ class RLRun:
 def run_rl(cfg: RunConfig) -> RunResult:
     run = RLRun(cfg)
     try:
-        return _loop(run)
+        with open_metrics_log(cfg, run.rank == 0, run.prep.start_step) as log:
+            return _loop(run, log)
     finally:
         run.close()
 
 
-def _loop(run: RLRun) -> RunResult:
+def _loop(run: RLRun, log: MetricsLog) -> RunResult:
     cfg, objs, prep = run.cfg, run.objs, run.prep
     t, rl, ck = cfg.training, cfg.rl, cfg.checkpoint
     start = prep.start_step
-    log = MetricsLog(cfg.output_dir, enabled=run.rank == 0, resume_step=start)
     result = RunResult(objects=objs)
     if start == 0:
         record = {"step": 0, **run.evaluate()}

@@ -1,4 +1,7 @@
-"""metrics.jsonl (one JSON object per update) and the human progress line, rank 0 only."""
+"""metrics.jsonl (one JSON object per update) and the human progress line, rank 0 only.
+
+``sinks`` (``training.log_sinks``: TensorBoard, W&B) get every record written here.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ from pathlib import Path
 
 
 class MetricsLog:
-    def __init__(self, output_dir: str | Path, enabled: bool, resume_step: int = 0):
+    def __init__(self, output_dir: str | Path, enabled: bool, resume_step: int = 0,
+                 sinks: list | None = None):
         """``resume_step``: the update a resumed run restarts after (0: a fresh run, which
         starts a new file). A resumed run keeps the records up to that update and drops
         later ones, which a run that stopped after its last checkpoint had written and
@@ -26,12 +30,26 @@ class MetricsLog:
                 tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
                 tmp.replace(self.path)
         self.start = time.time()
+        self.sinks = list(sinks or [])
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def progress(self, record: dict, total_steps: int) -> None:
         if not self.enabled:

@@ -96,5 +96,6 @@ def prepare_training(cfg: RunConfig) -> Prepared:
         (out_dir / "config.json").write_text(json.dumps(
             {"run": cfg.to_dict(), "arch": arch.to_dict(), "world_size": rt.world_size,
              "data_parallel_size": parallel_state.get_data_parallel_world_size(),
-             "device": str(rt.device), "backend": rt.backend}, indent=1))
+             "device": str(rt.device), "backend": rt.backend,
+             "flags": cfg.flag_sources}, indent=1))
     return Prepared(objs, tokenizer, start_step, extra, _checkpoint_meta(cfg, arch))

@@ -7,7 +7,6 @@ in-process to run several layouts in one torchrun launch.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -17,6 +16,7 @@ from megatron_logra.data.sft import SFTBatches, encode_sft
 from megatron_logra.data.tasks import generate_items
 from megatron_logra.runtime.device import peak_memory_bytes, synchronize
 from megatron_logra.training import checkpointing
+from megatron_logra.training.log_sinks import open_metrics_log
 from megatron_logra.training.metrics import MetricsLog
 from megatron_logra.training.prepare import RunResult, prepare_training
 from megatron_logra.training.step import train_step
@@ -34,11 +34,14 @@ def build_sft_batches(cfg: RunConfig, tokenizer) -> SFTBatches:
 
 def run_sft(cfg: RunConfig) -> RunResult:
     prep = prepare_training(cfg)
+    with open_metrics_log(cfg, dist.get_rank() == 0, prep.start_step) as log:
+        return _train(cfg, prep, log)
+
+
+def _train(cfg: RunConfig, prep, log: MetricsLog) -> RunResult:
     objs, tokenizer, start_step, ck = prep.objs, prep.tokenizer, prep.start_step, cfg.checkpoint
     is_logger = dist.get_rank() == 0
-    out_dir = Path(cfg.output_dir)
     batches = build_sft_batches(cfg, tokenizer)
-    log = MetricsLog(out_dir, enabled=is_logger, resume_step=start_step)
     result = RunResult(objects=objs)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
