@@ -85,6 +85,7 @@ class WandbSink:
             _warn(f"W&B could not start ({type(exc).__name__}: {str(exc)[:200]}); logging "
                   f"to an offline run in {save_dir}/wandb instead ('wandb sync' uploads it)")
             try:
+                wandb.teardown()  # the failed run still holds its id in this process
                 self.run = wandb.init(**kwargs, mode="offline",
                                       settings=wandb.Settings(console="off"))
             except Exception as exc2:  # noqa: BLE001
@@ -106,12 +107,15 @@ class WandbSink:
             self.run = None
 
     def close(self) -> None:
-        if self.run is not None:
-            try:
+        """Finish the run and stop this process's W&B service (a later sink starts afresh,
+        with the environment as it is then)."""
+        try:
+            if self.run is not None:
                 self.run.finish()
-            except Exception as exc:  # noqa: BLE001
-                _warn(f"W&B finish failed ({type(exc).__name__}: {exc})")
-            self.run = None
+            self.wandb.teardown()
+        except Exception as exc:  # noqa: BLE001
+            _warn(f"W&B finish failed ({type(exc).__name__}: {exc})")
+        self.run = None
 
 
 def _warn(message: str) -> None:

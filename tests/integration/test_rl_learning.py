@@ -26,6 +26,9 @@ import pytest
 
 from megatron_logra.rl.stats import paired_gain
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from log_readers import check_logs_match  # noqa: E402
+
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,27 +54,47 @@ MIN_GAIN = 0.04
 
 
 def _launch(argv: list[str], tmp: Path) -> None:
-    env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1", WANDB_MODE="offline")
     proc = subprocess.run([sys.executable, str(LAUNCH), *argv], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
+def _logging(out: Path) -> list[str]:
+    """TensorBoard and an offline W&B run beside metrics.jsonl (``_check_logs`` reads them)."""
+    return ["--tensorboard-dir", str(out / "tb"), "--wandb-project", "megatron-logra-tests"]
+
+
+def _check_logs(out: Path) -> dict:
+    """Both hold every scalar of metrics.jsonl at its step; config.json says where each
+    value came from."""
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert check_logs_match(metrics, out / "tb", out) > 10 * len(metrics)
+    flags = json.loads((out / "config.json").read_text())["flags"]
+    assert flags["--output-dir"] == {"value": str(out), "source": "command line"}
+    return flags
+
+
 @pytest.fixture(scope="module")
 def sft_checkpoint(tmp_path_factory) -> Path:
+    """The warm start: recipes/paper/cpu-sft.yaml (the same as make paper-cpu's)."""
     tmp = tmp_path_factory.mktemp("sft")
-    _launch(["--stage", "sft", *COMMON, "--dataset-size", "1000", "--train-iters", "60",
-             "--global-batch-size", "16", "--micro-batch-size", "8", "--lr", "3e-3",
-             "--lr-warmup-iters", "5", "--min-lr", "3e-4", "--output-dir", str(tmp / "out"),
-             "--save", str(tmp / "ckpt")], tmp)
+    _launch(["--config", "recipes/paper/cpu-sft.yaml", "--output-dir", str(tmp / "out"),
+             "--save", str(tmp / "ckpt"), *_logging(tmp / "out")], tmp)
+    flags = _check_logs(tmp / "out")
+    assert flags["--lr"] == {"value": 3e-3, "source": "recipes/paper/cpu-sft.yaml"}
+    assert flags["--seed"]["source"] == "default"
     return tmp / "ckpt"
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_rl_raises_held_out_pass_rate(sft_checkpoint, tmp_path, optimizer):
     out = tmp_path / "rl"
+    logs = _logging(out) if optimizer == "logra" else []
     _launch([*COMMON, *RL, *OPTIMIZERS[optimizer], "--load", str(sft_checkpoint),
-             "--finetune", "--output-dir", str(out)], tmp_path)
+             "--finetune", "--output-dir", str(out), *logs], tmp_path)
+    if logs:
+        _check_logs(out)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = records[0], records[-1]
     assert first["step"] == 0 and last["step"] == 30
