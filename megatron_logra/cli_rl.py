@@ -28,6 +28,38 @@ def _check_sketch_delta(opt: OptimizerConfig, training: TrainingConfig, rl: RLCo
                          ". Add them, or use --weight-sync sparse-delta or full")
 
 
+def _check_objective(rl: RLConfig, training: TrainingConfig, dp: int) -> None:
+    """PPO steps, clipping, GRPO variants and dynamic sampling."""
+    steps = rl.steps_per_update
+    if steps > 1 and rl.kl.mode == "predicted":
+        raise ValueError(
+            f"--kl-control predicted sizes the one optimizer step of each rollout batch "
+            f"against that update's KL budget; --ppo-epochs {rl.ppo_epochs} x "
+            f"--ppo-minibatches {rl.ppo_minibatches} = {steps} steps per batch would each "
+            f"move the policy with no budget left for the others. Use --kl-control none "
+            f"with several steps per batch (ratio clipping bounds them), or one step per batch")
+    if steps > 1 and rl.sync.transport == "sketch-delta":
+        raise ValueError(f"--weight-sync sketch-delta sends one LoGRA step's factors per push; "
+                         f"with {steps} optimizer steps per rollout batch use --weight-sync "
+                         f"sparse-delta or full")
+    batch = rl.prompts_per_step * rl.responses_per_prompt
+    per_step = training.micro_batch_size * dp
+    if batch % rl.ppo_minibatches or (batch // rl.ppo_minibatches) % per_step:
+        raise ValueError(f"--ppo-minibatches {rl.ppo_minibatches} must split the rollout batch "
+                         f"of {batch} responses into minibatches that are multiples of "
+                         f"--micro-batch-size x data-parallel size = {per_step}")
+    if rl.clip_ratio_high is not None and rl.clip_ratio_low is None:
+        raise ValueError("--clip-ratio-high needs --clip-ratio-low (clipping is off without "
+                         "it); DAPO's clip-higher: --clip-ratio-low 0.2 --clip-ratio-high 0.28")
+    if rl.clip_ratio_low is not None and rl.clip_ratio_low >= 1:
+        raise ValueError(f"--clip-ratio-low {rl.clip_ratio_low} must be in (0, 1): the ratio "
+                         f"is clipped below at 1 - eps_low")
+    if rl.algorithm != "grpo" and (rl.dynamic_sampling or not rl.grpo_std_norm):
+        raise ValueError("--dynamic-sampling and --no-grpo-std-norm act on GRPO's groups: use "
+                         "them with --algorithm grpo (the running baseline gives zero-variance "
+                         "groups a non-zero advantage)")
+
+
 def check_rl(rl: RLConfig, training: TrainingConfig, opt: OptimizerConfig, dp: int) -> None:
     """Raise ValueError naming the flags and the fix (single-flag ranges are checked by
     ``flags`` already)."""
@@ -61,6 +93,7 @@ def check_rl(rl: RLConfig, training: TrainingConfig, opt: OptimizerConfig, dp: i
         raise ValueError(f"the RL global batch, --prompts-per-step x --responses-per-prompt = "
                          f"{batch}, is not divisible by --micro-batch-size x data-parallel "
                          f"size = {training.micro_batch_size * dp}")
+    _check_objective(rl, training, dp)
     if kl.mode == "predicted" and kl.probe_responses > batch // dp:
         raise ValueError(f"--kl-probe-responses {kl.probe_responses} exceeds the "
                          f"{batch // dp} responses each data-parallel rank trains on")

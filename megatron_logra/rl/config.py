@@ -15,6 +15,21 @@ from megatron_logra.kl.config import KLControlConfig
 
 _POSITIVE = flag_spec(minimum=1)
 
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"]
+
+
+@dataclass(frozen=True)
+class PolicyObjective:
+    """What the policy loss is (``rl.objective``); ``RLConfig.policy_objective()`` builds it."""
+
+    tis_cap: float | None = 2.0  # None: no engine correction
+    clip_low: float | None = None  # eps_low; None: no ratio clipping
+    clip_high: float | None = None  # eps_high; None: eps_low
+    ratio_level: Literal["token", "sequence"] = "token"
+    loss_agg_mode: LossAggMode = "token-mean"
+    max_new_tokens: int = 1  # seq-mean-token-sum-norm's constant
+
 
 @dataclass(frozen=True)
 class RLConfig:
@@ -55,6 +70,32 @@ class RLConfig:
     """Sampling temperature of evaluations (the paper: 0.7)."""
     eval_top_p: float = 0.7
     """Nucleus sampling of evaluations (the paper: 0.7; 1 turns it off)."""
+    ppo_epochs: int = field(default=1, metadata=_POSITIVE)
+    """Passes over each rollout batch; each minibatch of each pass is one optimizer step
+    (one LoGRA sketch/RowAdam update), against the logprobs the update started from."""
+    ppo_minibatches: int = field(default=1, metadata=_POSITIVE)
+    """Minibatches per pass: the rollout batch in this many equal parts, in order."""
+    clip_ratio_low: float | None = field(default=None, metadata=flag_spec(
+        minimum=0, zero_is_none=True))
+    """PPO ratio clipping: eps_low of clip(r, 1 - eps_low, 1 + eps_high) (0: off; PPO and
+    DAPO use 0.2, GSPO 3e-4). It bites only from the second optimizer step of a batch."""
+    clip_ratio_high: float | None = field(default=None, metadata=flag_spec(
+        minimum=0, zero_is_none=True))
+    """eps_high (default: --clip-ratio-low; DAPO's clip-higher: 0.28, GSPO 4e-4)."""
+    importance_ratio_level: Literal["token", "sequence"] = "token"
+    """The PPO ratio per token, or GSPO's per response: exp(mean log-ratio of its tokens)."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How token terms become the loss: token-mean (over the global batch's tokens),
+    seq-mean-token-sum, seq-mean-token-mean (GSPO), seq-mean-token-sum-norm (Dr.GRPO: sum /
+    (responses x --max-new-tokens))."""
+    grpo_std_norm: bool = True
+    """GRPO: divide advantages by the group's reward std (--no-grpo-std-norm: Dr.GRPO)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (GRPO): groups whose rewards are all equal (zero advantage,
+    full cost) are dropped and more prompts generated, up to --dynamic-sampling-max-rounds
+    generations per update; a batch still short is filled with dropped groups."""
+    dynamic_sampling_max_rounds: int = field(default=3, metadata=_POSITIVE)
+    """Generation rounds per update at most with --dynamic-sampling (1: filter only)."""
     rollout_tensor_parallel_size: int = field(default=1, metadata=_POSITIVE)
     """vLLM tensor-parallel size of the rollout engine."""
     rollout_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -63,3 +104,15 @@ class RLConfig:
     """vLLM KV cache size."""
     sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     kl: KLControlConfig = field(default_factory=KLControlConfig)
+
+    @property
+    def steps_per_update(self) -> int:
+        """Optimizer steps per rollout batch."""
+        return self.ppo_epochs * self.ppo_minibatches
+
+    def policy_objective(self) -> PolicyObjective:
+        return PolicyObjective(tis_cap=self.tis_cap, clip_low=self.clip_ratio_low,
+                               clip_high=self.clip_ratio_high,
+                               ratio_level=self.importance_ratio_level,
+                               loss_agg_mode=self.loss_agg_mode,
+                               max_new_tokens=self.max_new_tokens)

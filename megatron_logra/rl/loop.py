@@ -43,14 +43,14 @@ from megatron_logra.kl.controller import PredictedKLStep
 from megatron_logra.rl import advantages as adv
 from megatron_logra.rl import rollouts
 from megatron_logra.rl.policy_loss import (REPORT_KEYS, RolloutSample, collate_rollouts,
-                                           policy_gradient_loss)
+                                           logprobs_report, policy_gradient_loss)
 from megatron_logra.data.tasks import generate_items
 from megatron_logra.rl.verifiers import Verifier, VerifierConfig
 from megatron_logra.runtime.device import peak_memory_bytes, synchronize
 from megatron_logra.training import checkpointing
 from megatron_logra.training.log_sinks import open_metrics_log
 from megatron_logra.training.metrics import MetricsLog
-from megatron_logra.training.step import global_report_sums, train_step
+from megatron_logra.training.step import forward_backward, global_report_sums, train_step
 from megatron_logra.training.prepare import RunResult, prepare_training
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -162,21 +162,14 @@ class RLRun:
     # --- one update ------------------------------------------------------------------------
     def rollout_batch(self, update: int) -> tuple[list[RolloutSample] | None, dict]:
         rl = self.cfg.rl
-        stats: dict = {}
-        requests = prompts = None
-        if self.rank == 0:
-            prompts, requests = rollouts.step_requests(self.driver.train_prompts, rl, update,
-                                                       self._data_seed())
-        t0 = time.perf_counter()
-        completions = self.generate(requests)
-        stats["rollout_time_s"] = time.perf_counter() - t0
+        groups, stats = self._generate_groups(update)
         payload = [None]
         if self.rank == 0:
-            rewards = rollouts.score(self.driver.verifier, self.driver.tokenizer, prompts,
-                                     completions, rl.responses_per_prompt)
-            r = torch.tensor(rewards, dtype=torch.float32)
+            prompts = [p for p, _, _ in groups]
+            completions = [c for _, group, _ in groups for c in group]
+            r = torch.tensor([rewards for _, _, rewards in groups], dtype=torch.float32)
             if rl.algorithm == "grpo":
-                a = adv.grpo_advantages(r)
+                a = adv.grpo_advantages(r, scale_by_std=rl.grpo_std_norm)
             else:
                 failure = rl.failure_reward if rl.reward == "binary" else None
                 a = self.baseline.advantages(adv.reinforce_outcomes(r, failure))
@@ -193,6 +186,47 @@ class RLRun:
         samples, stats = payload[0]
         self.baseline.value = stats["baseline"]  # every rank checkpoints the same state
         return samples, stats
+
+    def _generate_groups(self, update: int) -> tuple[list | None, dict]:
+        """Rank 0: the update's P groups [(prompt, G completions, G rewards)]; None elsewhere.
+        With --dynamic-sampling, groups whose rewards are all equal are set aside and more
+        prompts generated (collective: every rank takes part in each round) until P groups
+        have signal or --dynamic-sampling-max-rounds rounds are done; a batch still short
+        is filled with set-aside groups."""
+        rl = self.cfg.rl
+        kept, dropped, rounds, seconds = [], [], 0, 0.0
+        while True:
+            prompts = requests = None
+            if self.rank == 0:
+                prompts, requests = rollouts.step_requests(
+                    self.driver.train_prompts, rl, update, self._data_seed(), rounds)
+            t0 = time.perf_counter()
+            completions = self.generate(requests)
+            seconds += time.perf_counter() - t0
+            more = [False]
+            if self.rank == 0:
+                rewards = rollouts.score(self.driver.verifier, self.driver.tokenizer, prompts,
+                                         completions, rl.responses_per_prompt)
+                g = rl.responses_per_prompt
+                for i, prompt in enumerate(prompts):
+                    group = (prompt, completions[i * g:(i + 1) * g], rewards[i])
+                    signal = not rl.dynamic_sampling or rollouts.has_signal(rewards[i])
+                    (kept if signal else dropped).append(group)
+                more = [rl.dynamic_sampling and len(kept) < rl.prompts_per_step
+                        and rounds + 1 < rl.dynamic_sampling_max_rounds]
+            dist.broadcast_object_list(more, src=0)
+            rounds += 1
+            if not more[0]:
+                break
+        stats: dict = {"rollout_time_s": seconds}
+        groups = None
+        if self.rank == 0:
+            groups, with_signal = rollouts.fill_groups(kept, dropped, rl.prompts_per_step)
+            if rl.dynamic_sampling:
+                stats.update(dynamic_sampling_rounds=rounds,
+                             dynamic_sampling_signal_groups=with_signal,
+                             dynamic_sampling_dropped_groups=len(dropped))
+        return groups, stats
 
     def batch_length(self, samples: list[RolloutSample]) -> int:
         """Padded length of this update's sequences: the longest rollout of the global batch
@@ -211,40 +245,76 @@ class RLRun:
         mine, pad = self._my_samples(samples), self.prep.pad_id
         return [collate_rollouts(mine[j:j + mbs], length, pad) for j in range(0, len(mine), mbs)]
 
+    def minibatches(self, samples: list[RolloutSample], length: int) -> list[list[dict]]:
+        """This rank's microbatches of each PPO minibatch: minibatch k is the k-th of
+        --ppo-minibatches equal slices of the global batch (the same responses at every
+        data-parallel size), each split over the DP ranks."""
+        n = self.cfg.rl.ppo_minibatches
+        size = len(samples) // n
+        return [self.microbatches(samples[k * size:(k + 1) * size], length) for k in range(n)]
+
+    def old_logprobs(self, minibatches: list[list[dict]], length: int) -> None:
+        """Several optimizer steps per batch: one forward pass first puts the logprobs the
+        update starts from in each microbatch (``old_logprobs``, on the last stage, which
+        alone computes the loss), so every step's ratio is against them."""
+        flat = [mb for mbs in minibatches for mb in mbs]
+        with torch.no_grad():
+            reports = forward_backward(
+                self.objs.model, flat, seq_length=length,
+                micro_batch_size=self.cfg.training.micro_batch_size,
+                vocab_size=self.objs.arch.vocab_size, forward_only=True,
+                loss_fn=partial(logprobs_report, self.objs.arch.vocab_size,
+                                self.cfg.rl.temperature))
+        for mb, report in zip(flat, reports):
+            mb["old_logprobs"] = report["logprobs"].float()
+
     def train(self, samples: list[RolloutSample], update: int) -> dict:
+        """The update: --ppo-epochs passes over --ppo-minibatches minibatches, one
+        optimizer step each (one step by default); the learning-rate schedule moves once."""
         t, rl = self.cfg.training, self.cfg.rl
         loss_fn = partial(policy_gradient_loss, self.objs.arch.vocab_size, rl.temperature,
-                          rl.tis_cap)
+                          rl.policy_objective())
         t0 = time.perf_counter()
         length = self.batch_length(samples)
-        sums: dict[str, float] = {}
+        minibatches = self.minibatches(samples, length)
+        if rl.steps_per_update > 1:
+            self.old_logprobs(minibatches, length)
+        sums = dict.fromkeys(REPORT_KEYS, 0.0)
         kl_record: dict = {}
 
         def optimizer_step(reports: list[dict]) -> tuple[bool, float | None]:
-            sums.update(zip(REPORT_KEYS, global_report_sums(reports, len(REPORT_KEYS))))
+            step = dict(zip(REPORT_KEYS, global_report_sums(reports, len(REPORT_KEYS))))
+            for key, value in step.items():
+                sums[key] += value
             if self.kl_step is None:
                 ok, grad_norm, _ = self.objs.optimizer.step()
                 return ok, grad_norm
             probe = collate_rollouts(self._my_samples(samples)[:rl.kl.probe_responses],
                                      length, self.prep.pad_id)
-            eos = sums["eos_tokens"]
-            mismatch = sums["eos_mismatch_sum"] / eos if eos else None
+            eos = step["eos_tokens"]
+            mismatch = step["eos_mismatch_sum"] / eos if eos else None
             ok, grad_norm, record = self.kl_step.step(self.objs, update, probe, mismatch)
             kl_record.update(record)
             return ok, grad_norm
 
-        out = train_step(self.objs, self.microbatches(samples, length), seq_length=length,
-                         micro_batch_size=t.micro_batch_size, loss_fn=loss_fn,
-                         optimizer_step=optimizer_step)
+        outs = [train_step(self.objs, microbatches, seq_length=length,
+                           micro_batch_size=t.micro_batch_size, loss_fn=loss_fn,
+                           optimizer_step=optimizer_step, advance_schedule=not (epoch or k))
+                for epoch in range(rl.ppo_epochs) for k, microbatches in enumerate(minibatches)]
         synchronize()
         n = max(sums["tokens"], 1.0)
-        record = {"loss": out.loss, "lr": out.lr, "tokens": out.tokens,
-                  "grad_norm": out.grad_norm, **kl_record,
+        record = {"loss": sum(o.loss for o in outs) / len(outs), "lr": outs[0].lr,
+                  "tokens": int(round(sums["tokens"] / rl.ppo_epochs)),
+                  "grad_norm": outs[-1].grad_norm, **kl_record,
                   "logprob_mismatch": sums["abs_mismatch_sum"] / n,
                   "tis_weight_mean": sums["tis_weight_sum"] / n,
                   "tis_capped_frac": sums["tis_capped"] / n,
                   "train_time_s": time.perf_counter() - t0,
-                  "update_successful": out.update_successful}
+                  "update_successful": all(o.update_successful for o in outs)}
+        if len(outs) > 1 or rl.clip_ratio_low is not None:
+            record.update(optimizer_steps=len(outs), clip_frac=sums["clipped_tokens"] / n,
+                          ppo_kl=sums["ppo_kl_sum"] / n,
+                          steps_successful=sum(o.update_successful for o in outs))
         stats = getattr(self.objs.optimizer, "last_stats", None)
         if stats:
             record.update({f"logra_{k}": v for k, v in stats.items() if k != "update"})

@@ -15,14 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_logra.rl.advantages import policy_gradient_loss_sum, truncated_importance_weights
+from megatron_logra.rl.config import PolicyObjective
+from megatron_logra.rl.objective import objective_terms
 from megatron_logra.training.loss import token_nll
 
 # report layout: what the loss function sums per microbatch (the trainer adds them up)
-REPORT_KEYS = ("loss_sum", "tokens", "abs_mismatch_sum", "tis_weight_sum", "tis_capped",
-               "eos_mismatch_sum", "eos_tokens")
-"""eos_*: sum of (rollout - trainer) logprob over the tokens of EOS-terminated responses
-(not truncated), and their count: the KL controller's mismatch m."""
+REPORT_KEYS = ("loss_sum", "loss_denominator", "tokens", "abs_mismatch_sum", "tis_weight_sum",
+               "tis_capped", "eos_mismatch_sum", "eos_tokens", "clipped_tokens", "ppo_kl_sum")
+"""loss_sum / loss_denominator: the objective's aggregation (``rl.objective``); tokens:
+generated tokens; abs_mismatch: |old - rollout| logprob; eos_*: sum of (rollout - old)
+logprob over the tokens of EOS-terminated responses (not truncated), and their count: the
+KL controller's mismatch m; clipped_tokens: tokens whose PPO-clipped term is active;
+ppo_kl: sum of old - current logprob (k1 estimate of KL(old || current), 0 at the first
+step of an update)."""
 
 
 @dataclass(frozen=True)
@@ -73,20 +78,32 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
     return -token_nll(logits.float() / temperature, labels, vocab_size)
 
 
-def policy_gradient_loss(vocab_size: int, temperature: float, tis_cap: float | None,
+def policy_gradient_loss(vocab_size: int, temperature: float, objective: PolicyObjective,
                          batch: dict[str, torch.Tensor], logits: torch.Tensor):
-    """The trainer's loss function (``training.step.LossFn``): sum over response tokens of
-    -w A log pi (w: truncated importance weight pi_train / pi_rollout, or 1), normalised by
-    the global number of response tokens (megatron's per-token loss)."""
+    """The trainer's loss function (``training.step.LossFn``): ``rl.objective`` over the
+    microbatch's generated tokens. ``batch["old_logprobs"]`` holds the logprobs the update
+    started from when it takes several optimizer steps (``RLRun.old_logprobs``); without
+    it the current ones are the old ones (one step per rollout batch)."""
     mask = batch["loss_mask"]
     logp = token_logprobs(logits, batch["labels"], vocab_size, temperature)
+    old = batch["old_logprobs"] if "old_logprobs" in batch else logp.detach()
     rollout = batch["rollout_logprobs"]
-    weights = None if tis_cap is None else truncated_importance_weights(logp, rollout, tis_cap)
-    loss_sum = policy_gradient_loss_sum(logp, batch["advantages"], mask, weights)
-    diff = (logp.detach() - rollout).abs() * mask
-    w = weights if weights is not None else torch.ones_like(mask)
+    terms = objective_terms(objective, logp, old, rollout, batch["advantages"], mask)
+    w = terms.weights
+    capped = (w >= objective.tis_cap) * mask if objective.tis_cap else mask.new_zeros(())
     eos_mask = mask * batch["eos_terminated"][:, None]
-    report = torch.stack([loss_sum.detach(), mask.sum(), diff.sum(), (w * mask).sum(),
-                          ((w >= tis_cap) * mask).sum() if tis_cap else mask.new_zeros(()),
-                          ((rollout - logp.detach()) * eos_mask).sum(), eos_mask.sum()])
-    return loss_sum, mask.sum().to(torch.int), {"lm loss": report.float()}
+    report = torch.stack([
+        terms.numerator.detach(), terms.denominator, mask.sum(),
+        ((old - rollout).abs() * mask).sum(), (w * mask).sum(), capped.sum(),
+        ((rollout - old) * eos_mask).sum(), eos_mask.sum(), terms.clipped.sum(),
+        ((old - logp.detach()) * mask).sum()])
+    return (terms.numerator, terms.denominator.round().to(torch.int),
+            {"lm loss": report.float()})
+
+
+def logprobs_report(vocab_size: int, temperature: float, batch: dict[str, torch.Tensor],
+                    logits: torch.Tensor):
+    """Forward-only loss function: the microbatch's token logprobs [b, s] as its report
+    (``RLRun.old_logprobs``)."""
+    logp = token_logprobs(logits, batch["labels"], vocab_size, temperature)
+    return logp.sum() * 0, batch["loss_mask"].sum().to(torch.int), {"logprobs": logp.detach()}

@@ -34,14 +34,31 @@ def sample_seed(rollout_seed: int, update: int, prompt: int, sample: int) -> int
     return (((rollout_seed * 1_000_003 + update) * 100_003 + prompt) * 1_009 + sample) % 2**31
 
 
-def step_requests(prompts: list[Prompt], cfg: RLConfig, update: int, seed: int
-                  ) -> tuple[list[Prompt], list[SampleRequest]]:
-    """The prompts of update ``update`` and their P x G requests (prompt-major)."""
-    chosen = [prompts[i] for i in batch_indices(len(prompts), cfg.prompts_per_step, update, seed)]
-    requests = [SampleRequest(p.ids, sample_seed(cfg.rollout_seed, update, i, j),
+def step_requests(prompts: list[Prompt], cfg: RLConfig, update: int, seed: int,
+                  round_: int = 0) -> tuple[list[Prompt], list[SampleRequest]]:
+    """The prompts of update ``update`` and their P x G requests (prompt-major). Round
+    ``round_`` > 0 (dynamic sampling's extra generations) draws another P prompts from
+    its own order, with sampling seeds of its own."""
+    order_seed = seed if not round_ else seed + 1_000_003 * round_
+    chosen = [prompts[i] for i in batch_indices(len(prompts), cfg.prompts_per_step, update,
+                                                order_seed)]
+    first = round_ * cfg.prompts_per_step
+    requests = [SampleRequest(p.ids, sample_seed(cfg.rollout_seed, update, first + i, j),
                               cfg.max_new_tokens, cfg.temperature)
                 for i, p in enumerate(chosen) for j in range(cfg.responses_per_prompt)]
     return chosen, requests
+
+
+def has_signal(group_rewards: list[float]) -> bool:
+    """A group trains only if its rewards differ (all equal: GRPO advantage 0)."""
+    return max(group_rewards) > min(group_rewards)
+
+
+def fill_groups(kept: list, dropped: list, wanted: int) -> tuple[list, int]:
+    """Dynamic sampling's batch: the first ``wanted`` groups with signal, topped up with
+    dropped ones (in order) when too few had it -> (groups, groups with signal used)."""
+    used = kept[:wanted]
+    return used + dropped[:wanted - len(used)], len(used)
 
 
 def score(verifier: Verifier, tokenizer: TextTokenizer, prompts: list[Prompt],

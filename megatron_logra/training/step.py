@@ -103,10 +103,14 @@ OptimizerStep = Callable[[list[dict]], tuple[bool, float | None]]
 
 def train_step(objs, microbatches, *, seq_length: int, micro_batch_size: int,
                loss_fn: LossFn | None = None, reports_out: list | None = None,
-               optimizer_step: OptimizerStep | None = None) -> StepResult:
-    """One update. ``reports_out`` (a list) receives the last stage's loss reports."""
+               optimizer_step: OptimizerStep | None = None,
+               advance_schedule: bool = True) -> StepResult:
+    """One optimizer step. ``reports_out`` (a list) receives the last stage's loss reports;
+    ``advance_schedule`` False keeps the learning rate where it is (the later optimizer
+    steps of one RL update: the schedule counts updates)."""
     objs.optimizer.zero_grad()
-    objs.scheduler.step(increment=1)
+    if advance_schedule:
+        objs.scheduler.step(increment=1)
     lr = float(objs.optimizer.param_groups[0]["lr"])
     with PHASES("forward_backward"):  # megatron's grad finalisation included
         reports = forward_backward(objs.model, microbatches, seq_length=seq_length,
@@ -119,7 +123,7 @@ def train_step(objs, microbatches, *, seq_length: int, micro_batch_size: int,
             ok, grad_norm, _ = objs.optimizer.step()
         else:
             ok, grad_norm = optimizer_step(reports)
-    if not ok:
+    if not ok and advance_schedule:
         objs.scheduler.step(increment=-1)
     loss, tokens = global_loss(reports)
     return StepResult(loss, tokens, None if grad_norm is None else float(grad_norm), bool(ok),

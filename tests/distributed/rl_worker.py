@@ -76,6 +76,7 @@ def main() -> None:
     run.rollout_batch(2)  # the dead engine is restarted and resynced before it generates
     check("after_restart")
     result["restarts"] = run.sync.restarts
+    result["optimizer_steps"] = getattr(run.objs.optimizer, "steps", None)
     run.close()
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:

@@ -22,6 +22,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from megatron_logra.cli import parse_run_config
+from megatron_logra.training.setup import build_scheduler
 
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm]
 
@@ -53,6 +57,14 @@ LAYOUTS = {
     "pp2_lora_adapter": ["--pipeline-model-parallel-size", "2", "--peft", "lora",
                          "--lora-rank", "8", "--lr", "2e-2", "--weight-sync", "lora-adapter",
                          *KL],
+    # published recipes' switches with LoGRA at DP2: 2 PPO epochs x 2 minibatches (4
+    # LoGRA steps per update, clip-higher), GSPO's aggregation, DAPO's dynamic sampling
+    # (at most 2 generation rounds); no KL control (refused with several steps)
+    "dp2_logra_ppo": ["--optimizer", "logra", "--logra-rank", "16", "--logra-update-ratio",
+                      "2e-2", "--ppo-epochs", "2", "--ppo-minibatches", "2",
+                      "--clip-ratio-low", "0.2", "--clip-ratio-high", "0.28",
+                      "--loss-agg-mode", "seq-mean-token-mean", "--dynamic-sampling",
+                      "--dynamic-sampling-max-rounds", "2"],
 }
 
 
@@ -86,7 +98,7 @@ def test_updates_reach_the_engine_with_their_version(launched):
 def test_reinforce_advantages_follow_the_running_baseline(launched, request):
     """The paper's REINFORCE in the loop: outcome 1 (reward >= 1) or -0.01, minus a baseline
     of past batches only (0 at first), then b <- 0.9 b + 0.1 mean(outcomes)."""
-    if "reinforce" not in LAYOUTS[request.node.callspec.params["launched"]]:
+    if "reinforce" not in _layout(request):
         pytest.skip("GRPO layout")
     baseline = 0.0
     for record in launched["records"]:
@@ -100,9 +112,15 @@ def test_a_dead_engine_is_restarted_and_resynced(launched):
     assert launched["restarts"] == 1
 
 
-def test_realized_kl_stays_within_30_percent_of_the_budget(launched):
-    """Predicted-KL control in the loop (TP2 dense Adam, PP2 LoGRA): the budget binds and
+def _layout(request) -> list[str]:
+    return LAYOUTS[request.node.callspec.params["launched"]]
+
+
+def test_realized_kl_stays_within_30_percent_of_the_budget(launched, request):
+    """Predicted-KL control in the loop (every layout that has it): the budget binds and
     the KL measured after each update on the probe tokens is within 30% of it."""
+    if "--kl-control" not in _layout(request):
+        pytest.skip("no KL control in this layout")
     for record in launched["records"]:
         # the budget less the mismatch average m (~1e-6 with an fp32 engine)
         assert record["alpha"] < 3.0 and record["kl_budget"] == pytest.approx(KL_BUDGET, rel=1e-2)
@@ -110,3 +128,26 @@ def test_realized_kl_stays_within_30_percent_of_the_budget(launched):
             record
         # the probe's two passes are timed, and are a part of the train step
         assert 0 < record["kl_probe_time_s"] < record["train_time_s"], record
+
+
+def test_ppo_steps_and_dynamic_sampling(launched, request):
+    """Several LoGRA steps per rollout batch: 4 per update (8 in all, counted by the
+    optimizer itself), each against the logprobs the update started from (their mean log
+    ratio is 0 only if every step saw the old weights, i.e. a stale old); dynamic sampling
+    generated more rounds while groups lacked signal and filled the batch to 4 groups."""
+    if "--ppo-epochs" not in _layout(request):
+        pytest.skip("one optimizer step per update")
+    assert launched["optimizer_steps"] == 8
+    # the learning-rate schedule counts updates, not optimizer steps
+    cfg = parse_run_config([*BASE, *_layout(request)], world_size=2)
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+    scheduler = build_scheduler(probe, cfg.optimizer, cfg.training.train_iters)
+    for record in launched["records"]:
+        scheduler.step(increment=1)
+        assert record["lr"] == pytest.approx(probe.param_groups[0]["lr"], rel=1e-12)
+        assert record["optimizer_steps"] == 4 and record["steps_successful"] == 4
+        assert abs(record["ppo_kl"]) > 1e-6 and 0 <= record["clip_frac"] <= 1
+        signal = record["dynamic_sampling_signal_groups"]
+        assert record["dynamic_sampling_rounds"] == 2 or signal == 4
+        assert signal + min(record["dynamic_sampling_dropped_groups"], 4 - signal) == 4
+        assert len(record["advantages"]) == 16

@@ -41,7 +41,11 @@ EXPECTED_FLAGS = {
     "--kl-alpha-max", "--kl-probe-responses", "--kl-probe-max-tokens", "--weight-sync", "--weight-sync-anchor-interval",
     "--weight-sync-verify-interval",
     "--peft", "--lora-rank", "--lora-alpha", "--lora-dropout", "--lora-targets",
-    "--transformer-impl",
+    "--transformer-impl", "--config", "--tensorboard-dir", "--wandb-project",
+    "--wandb-exp-name", "--wandb-save-dir", "--ppo-epochs", "--ppo-minibatches",
+    "--clip-ratio-low", "--clip-ratio-high", "--importance-ratio-level", "--loss-agg-mode",
+    "--grpo-std-norm", "--no-grpo-std-norm", "--dynamic-sampling",
+    "--dynamic-sampling-max-rounds",
 }
 
 
