@@ -51,13 +51,21 @@ class RolloutEngine:
         self.startup_s = time.perf_counter() - t0
         self.version = 0
 
-    def _call_raw(self, command, payload, timeout: float):
+    def _call_raw(self, command, payload, timeout: float, on_progress=None):
+        """Send one command and wait for its answer; progress messages on the way go to
+        ``on_progress(done, total, note)`` (``timeout``: the longest silence)."""
         try:
             if command is not None:
                 self._conn.send((command, payload))
-            if not self._conn.poll(timeout):
-                raise EngineError(f"engine: no answer to {command or 'startup'} in {timeout} s")
-            status, value = self._conn.recv()
+            while True:
+                if not self._conn.poll(timeout):
+                    raise EngineError(f"engine: no answer to {command or 'startup'} in "
+                                      f"{timeout} s")
+                status, value = self._conn.recv()
+                if status != Reply.PROGRESS:
+                    break
+                if on_progress is not None:
+                    on_progress(*value)
         except (EOFError, OSError, BrokenPipeError) as exc:
             raise EngineError(f"engine process died during {command or 'startup'} "
                               f"({type(exc).__name__}; exit code {self._proc.exitcode})") from None
@@ -69,8 +77,8 @@ class RolloutEngine:
             raise EngineError(value)
         return value
 
-    def _call(self, command: Command, payload=None):
-        return self._call_raw(command, payload, self.cfg.request_timeout_s)
+    def _call(self, command: Command, payload=None, on_progress=None):
+        return self._call_raw(command, payload, self.cfg.request_timeout_s, on_progress)
 
     # --- weights ---------------------------------------------------------------------------
     def load(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
@@ -135,11 +143,13 @@ class RolloutEngine:
         self.version = self._call(Command.COMMIT, version)
 
     # --- rollouts --------------------------------------------------------------------------
-    def generate(self, requests: list[SampleRequest], expected_version: int) -> list[Completion]:
+    def generate(self, requests: list[SampleRequest], expected_version: int,
+                 on_progress=None) -> list[Completion]:
+        """``on_progress(done, total, note)``: called as samples finish (vLLM's speed note)."""
         if self.version != expected_version:
             raise EngineError(f"engine serves weights version {self.version}, the trainer is at "
                               f"{expected_version}: push before generating")
-        return self._call(Command.GENERATE, requests)
+        return self._call(Command.GENERATE, requests, on_progress)
 
     def prompt_logprobs(self, rows: list[list[int]]) -> list[list[float]]:
         """log p(row[t] | row[:t]) for t >= 1 under the committed weights."""

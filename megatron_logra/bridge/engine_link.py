@@ -16,6 +16,7 @@ every rank takes part in the push that follows.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -25,8 +26,15 @@ import torch.distributed as dist
 from megatron_logra.bridge.engine_client import RolloutEngine
 from megatron_logra.bridge.protocol import Completion, EngineConfig, EngineError, SampleRequest
 from megatron_logra.bridge.sync import SyncStats, WeightSync
+from megatron_logra.runtime.progress import Progress
 
 TRIES = 3
+
+
+def speed_note(vllm_postfix: str) -> str:
+    """vLLM's "est. speed input: X toks/s, output: Y toks/s" -> "Y tokens/s out"."""
+    match = re.search(r"output: ([0-9.]+) toks/s", vllm_postfix)
+    return f"{float(match.group(1)):.0f} tokens/s out" if match else vllm_postfix
 
 
 class EngineLink:
@@ -93,16 +101,20 @@ class EngineLink:
             print(f"engine restart failed ({exc}); starting anew at the next push", flush=True)
             self.engine = None
 
-    def generate(self, requests: list[SampleRequest] | None,
-                 version: int) -> list[Completion] | None:
-        """Completions of ``requests`` (rank 0), restarting and resyncing the engine if needed."""
+    def generate(self, requests: list[SampleRequest] | None, version: int,
+                 phase: str = "rollouts") -> list[Completion] | None:
+        """Completions of ``requests`` (rank 0), restarting and resyncing the engine if needed;
+        a progress line ``[phase]`` shows samples done and vLLM's tokens/s."""
         for _ in range(TRIES):
             done, status = None, ""
             if self.rank == 0:
                 try:
                     if self.engine is None:
                         raise EngineError("the engine is not running")
-                    done = self.engine.generate(requests, version)
+                    with Progress(phase, len(requests), "samples") as progress:
+                        done = self.engine.generate(
+                            requests, version,
+                            lambda n, _, note: progress.update(n, speed_note(note)))
                 except EngineError as exc:
                     status = str(exc)
                     print(f"rollout failed ({status}); restarting the engine", flush=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from functools import partial
 
 import torch
@@ -71,7 +72,7 @@ def serve(conn, cfg: EngineConfig) -> None:
             return
     conn.send((Reply.OK, "ready"))
     adapter = ServedAdapter(tempfile.mkdtemp(prefix="lora-adapters-")) if cfg.lora_rank else None
-    handlers = {Command.GENERATE: partial(_generate, adapter),
+    handlers = {Command.GENERATE: partial(_generate, adapter, conn),
                 Command.LOAD: partial(_load, receiver),
                 Command.COMMIT: _commit, Command.VERSION: lambda llm, _: _engine_version(llm),
                 Command.PROMPT_LOGPROBS: partial(_prompt_logprobs, adapter)}
@@ -105,7 +106,41 @@ def serve(conn, cfg: EngineConfig) -> None:
             return
 
 
-def _generate(adapter, llm, requests: list[SampleRequest]) -> list[Completion]:
+class _PipeProgressBar:
+    """What vLLM's ``generate(use_tqdm=callable)`` drives as tqdm: wrapping an iterable
+    (adding the requests: passed through, nothing sent), or counting finished requests
+    (``update``, ``n``, ``postfix``, ``format_dict``, ``refresh``, ``close``), which sends
+    (done, total, vLLM's speed note) to the trainer at most every 0.5 s and at the end
+    (``Reply.PROGRESS``)."""
+
+    def __init__(self, conn, iterable=None, total: int | None = None, **_):
+        self.conn, self.iterable, self.total = conn, iterable, total
+        self.n, self.postfix = 0, ""
+        self.start = time.perf_counter()
+        self._sent = 0.0
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    @property
+    def format_dict(self) -> dict:
+        return {"elapsed": max(time.perf_counter() - self.start, 1e-9)}
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.perf_counter()
+        if now - self._sent >= 0.5 or self.n >= (self.total or 0):
+            self.conn.send((Reply.PROGRESS, (self.n, self.total, str(self.postfix))))
+            self._sent = now
+
+    def refresh(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _generate(adapter, conn, llm, requests: list[SampleRequest]) -> list[Completion]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -113,7 +148,7 @@ def _generate(adapter, llm, requests: list[SampleRequest]) -> list[Completion]:
     prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
     params = [SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature,
                              top_p=r.top_p, seed=r.seed, logprobs=0) for r in requests]
-    outputs = llm.generate(prompts, params, use_tqdm=False,
+    outputs = llm.generate(prompts, params, use_tqdm=partial(_PipeProgressBar, conn),
                            lora_request=adapter.request if adapter else None)
     done = []
     for out in outputs:

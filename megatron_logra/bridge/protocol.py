@@ -68,6 +68,7 @@ class Reply(StrEnum):
     REFUSED = "refused"  # PushRefused: nothing applied, previous version still serving
     IN_FLIGHT = "in_flight"  # PushInFlight: nothing run
     ERROR = "error"  # the engine is dead (vLLM cannot recover from an RPC failure)
+    PROGRESS = "progress"  # (done, total, vLLM's speed note) while generating; not an answer
 
 
 class WorkerRPC(StrEnum):

@@ -31,6 +31,7 @@ from megatron_logra.bridge.protocol import EngineError, Transport
 from megatron_logra.bridge.sketch_delta import owned_updates
 from megatron_logra.model.hf_mapping import hf_sources, megatron_param_names
 from megatron_logra.model.provider import canonical_param_names, unwrap
+from megatron_logra.runtime.progress import Progress
 
 
 @dataclass
@@ -85,6 +86,7 @@ class FullPush:
         w = self.weights
         starting = w.rank == 0 and engine is None
         out, saved = PushResult(), {}
+        progress, moved = Progress("weight sync", None, "MB", enabled=w.rank == 0), 0
         for bucket in w.buckets(names):  # rank 0; the others send inside the generator
             if starting:
                 saved.update(bucket)
@@ -93,6 +95,9 @@ class FullPush:
                     out.sent += engine.load(bucket)
                 except (EngineError, ValueError) as exc:
                     out.failed = str(exc)
+            moved += sum(t.numel() * t.element_size() for _, t in bucket)
+            progress.update(moved // 10**6)
+        progress.close()
         if w.shadow is not None and names is None:
             w.shadow_version = version
         if w.rank != 0:

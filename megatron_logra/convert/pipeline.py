@@ -36,6 +36,7 @@ from megatron_logra.model.hf_mapping import (
     megatron_param_names,
     megatron_param_shape,
 )
+from megatron_logra.runtime.progress import Progress
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
@@ -49,10 +50,6 @@ Log = Callable[[str], None]
 
 def _print(msg: str) -> None:
     print(msg, flush=True)
-
-
-def _every(total: int, parts: int = 10) -> int:
-    return max(1, total // parts)
 
 
 def _init_single_process() -> None:
@@ -82,16 +79,14 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dtype: 
     source = HFCheckpoint(hf_dir, arch)
     _init_single_process()
     layout = checkpoint_layout(arch)
-    every = _every(len(layout.chunks))
     log(f"[hf_to_megatron] {hf_dir}: {arch.family}, {arch.num_layers} layers, "
         f"{len(source.files)} safetensors file(s) -> {len(layout.chunks)} chunks, {dtype}")
+    progress = Progress("hf_to_megatron", len(layout.chunks), "chunks")
 
     def on_chunk(done: int, total: int, chunk) -> None:
-        if done % every == 0 or done == total:
-            log(f"[hf_to_megatron] {done}/{total} chunks ({chunk.param}) "
-                f"{time.perf_counter() - t0:.1f}s")
+        progress.update(done, chunk.param)
 
-    with atomic_output_dir(out, overwrite) as tmp:
+    with progress, atomic_output_dir(out, overwrite) as tmp:
         ckpt = tmp / iter_dir_name(0)
         write_checkpoint(ckpt, layout, lambda c: megatron_from_hf(arch, c.param, source,
                                                                   rows=[c.rows]),
@@ -162,16 +157,15 @@ def megatron_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *,
         writer = StreamingShardWriter(tmp, planned, max_shard_bytes)
         log(f"[megatron_to_hf] {ckpt_dir} -> {len(writer.shards)} shard(s), "
             f"{writer.total_bytes / 1e6:.1f} MB {dtype}")
-        shard = 0
-        for name in megatron_param_names(arch):
-            full = lora_export.merged_param(read, name, lora, adapted)
-            for hf_name, tensor in hf_from_megatron(arch, name, full):
-                writer.write(hf_name, tensor)
-            del full
-            if writer.shard_of_next() != shard:
-                log(f"[megatron_to_hf] shard {shard + 1}/{len(writer.shards)} written "
-                    f"{time.perf_counter() - t0:.1f}s")
-                shard = writer.shard_of_next()
+        names = megatron_param_names(arch)
+        with Progress("megatron_to_hf", len(names), "parameters") as progress:
+            for done, name in enumerate(names, 1):
+                full = lora_export.merged_param(read, name, lora, adapted)
+                for hf_name, tensor in hf_from_megatron(arch, name, full):
+                    writer.write(hf_name, tensor)
+                del full
+                shard = min(writer.shard_of_next() + 1, len(writer.shards))
+                progress.update(done, f"shard {shard}/{len(writer.shards)}")
         writer.close()
         (tmp / "config.json").write_text(json.dumps(export_config(hf_config_from, dtype),
                                                     indent=2) + "\n")

@@ -155,9 +155,9 @@ class RLRun:
         (tests, benchmarks)."""
         self.link.push(self.version, transport)
 
-    def generate(self, requests) -> list | None:
+    def generate(self, requests, phase: str = "rollouts") -> list | None:
         """Completions of ``requests`` from the engine at ``self.version`` (rank 0)."""
-        return self.link.generate(requests, self.version)
+        return self.link.generate(requests, self.version, phase)
 
     # --- one update ------------------------------------------------------------------------
     def rollout_batch(self, update: int) -> tuple[list[RolloutSample] | None, dict]:
@@ -201,7 +201,8 @@ class RLRun:
                 prompts, requests = rollouts.step_requests(
                     self.driver.train_prompts, rl, update, self._data_seed(), rounds)
             t0 = time.perf_counter()
-            completions = self.generate(requests)
+            completions = self.generate(requests, f"rollouts {update + 1}" + (
+                f" round {rounds + 1}" if rounds else ""))
             seconds += time.perf_counter() - t0
             more = [False]
             if self.rank == 0:
@@ -323,7 +324,7 @@ class RLRun:
     def evaluate(self) -> dict:
         rl = self.cfg.rl
         requests = rollouts.eval_requests(self.driver.eval_prompts, rl) if self.rank == 0 else None
-        completions = self.generate(requests)
+        completions = self.generate(requests, "eval")
         out = [None]
         if self.rank == 0:
             rewards = rollouts.score(self.driver.verifier, self.driver.tokenizer,

@@ -15,6 +15,7 @@ from megatron_logra.data.tokenizer import TextTokenizer
 from megatron_logra.bridge.protocol import Completion, SampleRequest
 from megatron_logra.data.tasks import TaskItem
 from megatron_logra.rl.verifiers import Verifier
+from megatron_logra.runtime.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -63,12 +64,14 @@ def fill_groups(kept: list, dropped: list, wanted: int) -> tuple[list, int]:
 
 def score(verifier: Verifier, tokenizer: TextTokenizer, prompts: list[Prompt],
           completions: list[Completion], per_prompt: int) -> list[list[float]]:
-    """Rewards [P][G] of prompt-major completions."""
+    """Rewards [P][G] of prompt-major completions (a ``[scoring]`` progress line)."""
     rewards = []
-    for i, p in enumerate(prompts):
-        group = completions[i * per_prompt:(i + 1) * per_prompt]
-        rewards.append([verifier.score(p.item, tokenizer.decode(c.token_ids)).reward
-                        for c in group])
+    with Progress("scoring", len(completions), "answers") as progress:
+        for i, p in enumerate(prompts):
+            group = completions[i * per_prompt:(i + 1) * per_prompt]
+            rewards.append([verifier.score(p.item, tokenizer.decode(c.token_ids)).reward
+                            for c in group])
+            progress.update((i + 1) * per_prompt)
     return rewards
 
 
