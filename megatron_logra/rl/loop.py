@@ -6,9 +6,12 @@ every rank trains. Per update:
 
 1. rank 0 samples P prompts x G responses from the engine (which serves exactly the
    trainer's current weights, version = updates done), scores them and computes the
-   advantages; the rollouts are broadcast to all ranks;
+   advantages (with --dynamic-sampling, groups without reward spread are replaced by
+   more generations); the rollouts are broadcast to all ranks;
 2. the trainer takes one policy-gradient step (dense Adam or LoGRA) on them, with
-   truncated importance weights against the rollout logprobs;
+   truncated importance weights against the rollout logprobs, or --ppo-epochs x
+   --ppo-minibatches steps against the logprobs the update started from
+   (``rl.objective``: clipping, GSPO, loss aggregation);
 3. the new weights are pushed to the engine and committed (``bridge``: full,
    sparse-delta or sketch-delta).
 
