@@ -1,16 +1,19 @@
 """The RL loop's weight sync and engine restart, in real torchrun launches with real vLLM.
 
 Each launch runs ``rl_worker.py``: start-up push, two RL updates (full push after each,
-each scaled by predicted-KL control; the advantages as the algorithm computed them are
+each scaled by predicted-KL control but in the PPO layout; the advantages as the algorithm computed them are
 recorded, then replaced by +-1 so that the untrained model's weights move),
 then the engine is killed and the next rollout must restart and resync it. At every
 check the trainer's and the engine's logprobs on the same fixed token rows agree
 (fp32 engine; tolerance 1e-5, measured ~6e-7), and the weights did move (the check
-would see a stale engine). Layouts: trainer TP2 with dense Adam; PP2 with LoGRA
+would see a stale engine). Layouts: trainer TP2 with dense Adam (Dr.GRPO's loss and
+dynamic sampling); PP2 with LoGRA
 (tied embedding split over the stages, the sender of each tensor is not rank 0); TP2
 with LoRA adapters (full pushes of the merged weights; predicted-KL control steps the
 adapters); TP2 and PP2 with LoRA and adapter-only sync (the engine serves the base plus
-the adapter through vLLM's LoRA support; only the adapter moves after start-up).
+the adapter through vLLM's LoRA support; only the adapter moves after start-up); DP2 with
+LoGRA taking 2 PPO epochs x 2 minibatches per update (clip-higher, GSPO's aggregation,
+dynamic sampling).
 """
 
 from __future__ import annotations
@@ -40,7 +43,11 @@ KL_BUDGET = 5e-4
 KL = ["--kl-control", "predicted", "--kl-budget", str(KL_BUDGET), "--kl-budget-final",
       str(KL_BUDGET), "--kl-probe-responses", "2"]
 LAYOUTS = {
-    "tp2_adam": ["--tensor-model-parallel-size", "2", *KL],
+    # with Dr.GRPO's loss (constant normaliser, advantages not scaled by the group std)
+    # and dynamic sampling: predicted-KL control works on any of the loss switches
+    "tp2_adam": ["--tensor-model-parallel-size", "2", "--loss-agg-mode",
+                 "seq-mean-token-sum-norm", "--no-grpo-std-norm", "--dynamic-sampling",
+                 "--dynamic-sampling-max-rounds", "2", *KL],
     # the paper's recipe: LoGRA (unsketched parameters frozen) and REINFORCE with the
     # running baseline, one response per prompt
     "pp2_logra": ["--pipeline-model-parallel-size", "2", "--optimizer", "logra",
@@ -130,11 +137,11 @@ def test_realized_kl_stays_within_30_percent_of_the_budget(launched, request):
         assert 0 < record["kl_probe_time_s"] < record["train_time_s"], record
 
 
-def test_ppo_steps_and_dynamic_sampling(launched, request):
+def test_ppo_steps(launched, request):
     """Several LoGRA steps per rollout batch: 4 per update (8 in all, counted by the
     optimizer itself), each against the logprobs the update started from (their mean log
-    ratio is 0 only if every step saw the old weights, i.e. a stale old); dynamic sampling
-    generated more rounds while groups lacked signal and filled the batch to 4 groups."""
+    ratio is 0 only if every step saw the old weights, i.e. a stale old); the learning
+    rate moves once per update."""
     if "--ppo-epochs" not in _layout(request):
         pytest.skip("one optimizer step per update")
     assert launched["optimizer_steps"] == 8
@@ -147,6 +154,14 @@ def test_ppo_steps_and_dynamic_sampling(launched, request):
         assert record["lr"] == pytest.approx(probe.param_groups[0]["lr"], rel=1e-12)
         assert record["optimizer_steps"] == 4 and record["steps_successful"] == 4
         assert abs(record["ppo_kl"]) > 1e-6 and 0 <= record["clip_frac"] <= 1
+
+
+def test_dynamic_sampling_fills_the_batch(launched, request):
+    """Groups without reward spread were set aside and a second round generated while
+    fewer than the 4 prompts had signal; the batch is still 4 groups x 4 responses."""
+    if "--dynamic-sampling" not in _layout(request):
+        pytest.skip("no dynamic sampling")
+    for record in launched["records"]:
         signal = record["dynamic_sampling_signal_groups"]
         assert record["dynamic_sampling_rounds"] == 2 or signal == 4
         assert signal + min(record["dynamic_sampling_dropped_groups"], 4 - signal) == 4
