@@ -110,6 +110,14 @@ class CheckpointConfig:
     """Checkpoint directory."""
     save_interval: int = field(default=0, metadata=flag_spec(minimum=0))
     """Updates between checkpoints (0: only at the end)."""
+    save_keep: int | None = field(default=None, metadata=flag_spec(minimum=0,
+                                                                   zero_is_none=True))
+    """Keep only the newest N checkpoints in --save (0: keep all); the one 'latest'
+    selects is never deleted."""
+    auto_resume: bool = False
+    """Resume from the newest checkpoint in --save that verifies, when there is one,
+    instead of --load (always on when torchrun restarts the job: --max-restarts); a
+    damaged newest checkpoint is passed over, and said so."""
     load: str | None = None
     """Checkpoint directory (or one iter_* folder in it) to resume from, or an HF model
     folder / converted checkpoint to start from (weights only)."""

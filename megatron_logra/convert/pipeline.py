@@ -28,7 +28,9 @@ from megatron_logra.convert.megatron_dcp import CheckpointReader, checkpoint_lay
 from megatron_logra.convert.output_dir import atomic_output_dir
 from megatron_logra.convert.safetensors_io import PlannedTensor, StreamingShardWriter
 from megatron_logra.model.checkpoint_dir import (FORMAT_VERSION, LATEST, META, check_arch,
-                                                 iter_dir_name, read_meta, resolve_load_dir)
+                                                 iter_dir_name, read_meta, require_intact,
+                                                 resolve_load_dir)
+from megatron_logra.model import checkpoint_verify
 from megatron_logra.model.arch import ModelArch, load_arch
 from megatron_logra.model.hf_mapping import (
     hf_from_megatron,
@@ -97,6 +99,7 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dtype: 
                            "hf_dir": str(Path(hf_dir).absolute()),
                            "dtype": HF_DTYPE_NAMES[dtype]}}
         (ckpt / META).write_text(json.dumps(meta, indent=1))
+        checkpoint_verify.seal(ckpt)
         (tmp / LATEST).write_text(ckpt.name + "\n")
     log(f"[hf_to_megatron] wrote {out} in {time.perf_counter() - t0:.1f}s")
     return Path(out)
@@ -132,6 +135,7 @@ def megatron_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *,
     hf_config_from = Path(hf_config_from)
     arch = load_arch(hf_config_from)
     ckpt_dir = resolve_load_dir(ckpt)
+    require_intact(ckpt_dir)
     meta = read_meta(ckpt_dir)
     check_arch(meta, arch, ckpt_dir)
     lora = lora_export.lora_of_checkpoint(meta)

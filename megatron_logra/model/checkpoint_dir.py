@@ -3,7 +3,8 @@
 Layout::
 
     SAVE/latest                 text: name of the newest complete checkpoint
-    SAVE/iter_0000010/          dist_checkpointing files + megatron_logra.json
+    SAVE/iter_0000010/          dist_checkpointing files + megatron_logra.json +
+                                manifest.json (every file's size and CRC32, written last)
     SAVE/iter_0000020.partial/  a save in progress (or one that crashed: ignored)
 
 ``training.checkpointing`` writes such folders (atomically) with the optimizer;
@@ -19,11 +20,12 @@ from pathlib import Path
 
 from megatron.core import dist_checkpointing
 
+from megatron_logra.model import checkpoint_verify
 from megatron_logra.model.provider import unwrap
 
 LATEST = "latest"
 META = "megatron_logra.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: with manifest.json (model.checkpoint_verify); 1: without
 
 def iter_dir_name(step: int) -> str:
     return f"iter_{step:07d}"
@@ -51,6 +53,26 @@ def resolve_load_dir(path: str | os.PathLike) -> Path:
 
 def read_meta(ckpt_dir: str | os.PathLike) -> dict:
     return json.loads((Path(ckpt_dir) / META).read_text())
+
+
+def checkpoint_problems(ckpt: Path, rank: int = 0, world_size: int = 1) -> list[str]:
+    """What is wrong with this rank's share of a checkpoint's files against its manifest
+    (``model.checkpoint_verify``; every file with the defaults). A checkpoint of format 1
+    (written before manifests) has nothing to check."""
+    try:
+        meta = read_meta(ckpt)
+    except (OSError, ValueError) as exc:
+        return [f"{ckpt / META} is unreadable ({type(exc).__name__})"] if rank == 0 else []
+    if int(meta.get("format_version", 1)) < 2:
+        return []
+    return checkpoint_verify.check(ckpt, rank, world_size)
+
+
+def require_intact(ckpt: Path) -> None:
+    """Raise ValueError naming every damaged file (one process checks them all)."""
+    problems = checkpoint_problems(ckpt)
+    if problems:
+        raise ValueError(f"checkpoint {ckpt} is damaged: " + "; ".join(problems))
 
 
 def model_sharded_state_dict(model) -> dict:
@@ -99,6 +121,7 @@ def load_model_weights(load: str | os.PathLike, model: list, arch) -> dict:
     TP/PP layout); returns the checkpoint's meta. Added parameters (LoRA's adapters) the
     checkpoint lacks keep their values."""
     ckpt = resolve_load_dir(load)
+    require_intact(ckpt)
     meta = read_meta(ckpt)
     check_arch(meta, arch, ckpt)
     model_sd, left_out = without_missing_added_params(ckpt, model, arch,

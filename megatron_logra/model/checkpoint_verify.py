@@ -60,6 +60,21 @@ def read_manifest(ckpt_dir: Path) -> dict[str, dict]:
         raise ValueError(f"{path} is corrupt ({type(exc).__name__})") from None
 
 
+def seal(ckpt_dir: Path) -> None:
+    """Write the manifest of a checkpoint written by one process (the converters)."""
+    write_manifest(ckpt_dir, manifest_entries(ckpt_dir, checkpoint_files(ckpt_dir)))
+
+
+def check(ckpt_dir: Path, rank: int = 0, world_size: int = 1) -> list[str]:
+    """Problems of this rank's share of the checkpoint's files (all of them by default),
+    the manifest's own included."""
+    try:
+        manifest = read_manifest(ckpt_dir)
+    except ValueError as exc:
+        return [str(exc)] if rank == 0 else []
+    return verify(ckpt_dir, files_for_rank(sorted(manifest), rank, world_size), manifest)
+
+
 def verify(ckpt_dir: Path, files: list[str], manifest: dict[str, dict]) -> list[str]:
     """Problems of ``files`` (a subset of the manifest's), each naming its file."""
     problems = []

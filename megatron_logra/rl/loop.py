@@ -50,6 +50,7 @@ from megatron_logra.rl.policy_loss import (REPORT_KEYS, RolloutSample, collate_r
 from megatron_logra.data.tasks import generate_items
 from megatron_logra.rl.verifiers import Verifier, VerifierConfig
 from megatron_logra.runtime.device import peak_memory_bytes, synchronize
+from megatron_logra.runtime.faults import maybe_fail
 from megatron_logra.training import checkpointing
 from megatron_logra.training.log_sinks import open_metrics_log
 from megatron_logra.training.metrics import MetricsLog
@@ -303,7 +304,8 @@ class RLRun:
 
         outs = [train_step(self.objs, microbatches, seq_length=length,
                            micro_batch_size=t.micro_batch_size, loss_fn=loss_fn,
-                           optimizer_step=optimizer_step, advance_schedule=not (epoch or k))
+                           optimizer_step=optimizer_step, advance_schedule=not (epoch or k),
+                           update=update + 1)
                 for epoch in range(rl.ppo_epochs) for k, microbatches in enumerate(minibatches)]
         synchronize()
         n = max(sums["tokens"], 1.0)
@@ -368,10 +370,12 @@ def _loop(run: RLRun, log: MetricsLog) -> RunResult:
             print(f"eval before training: {json.dumps(record)}", flush=True)
     for update in range(start, t.train_iters):
         t0 = time.perf_counter()
+        maybe_fail("rollout", update + 1)
         samples, record = run.rollout_batch(update)
         record.update(run.train(samples, update))
         run.version = update + 1
         sync_before = (run.sync.bytes, run.sync.seconds)
+        maybe_fail("sync", update + 1)
         run.push_weights()
         record.update(step=update + 1, sync_bytes=run.sync.bytes - sync_before[0],
                       sync_time_s=run.sync.seconds - sync_before[1],
@@ -391,10 +395,9 @@ def _loop(run: RLRun, log: MetricsLog) -> RunResult:
                      "rl": {"baseline": run.baseline.state_dict()}}
             if run.kl_step is not None:
                 extra["rl"]["kl"] = run.kl_step.controller.state_dict()
-            result.last_checkpoint = checkpointing.save_checkpoint(
-                ck.save, update + 1, objs, extra, prep.checkpoint_meta)
-            if run.rank == 0:
-                print(f"saved checkpoint {result.last_checkpoint}", flush=True)
+            saved = checkpointing.save_or_report(ck, update + 1, objs, extra,
+                                                 prep.checkpoint_meta, last=last)
+            result.last_checkpoint = saved or result.last_checkpoint
     if run.rank == 0:
         print(f"metrics: {log.path.resolve()}", flush=True)
     dist.barrier()

@@ -48,6 +48,20 @@ def select_device(force: str | None = None) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def _restart_store(timeout: datetime.timedelta) -> dict:
+    """store/rank/world_size for a job torchrun restarted (--max-restarts): its store
+    still holds the dead attempt's keys, and gloo subgroups created under the same names
+    would read the dead processes' addresses, so this attempt gets a key prefix of its own."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout,
+                          multi_tenant=not agent_store)
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return {"store": dist.PrefixStore(f"megatron_logra/attempt_{attempt}/", store),
+            "rank": rank, "world_size": world}
+
+
 def init_runtime(timeout_minutes: float = 10.0) -> Runtime:
     """Initialise torch.distributed from torchrun's environment (or a single process).
 
@@ -67,7 +81,10 @@ def init_runtime(timeout_minutes: float = 10.0) -> Runtime:
         apply_cpu_shims()
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=timeout_minutes)
-        if "WORLD_SIZE" in os.environ:  # torchrun (or a caller that set the env:// variables)
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            dist.init_process_group(backend=backend, timeout=timeout,
+                                    **_restart_store(timeout))
+        elif "WORLD_SIZE" in os.environ:  # torchrun (or a caller that set env:// variables)
             dist.init_process_group(backend=backend, timeout=timeout)
         else:  # one process; nothing written to os.environ, so child processes inherit no port
             dist.init_process_group(backend=backend, timeout=timeout, rank=0, world_size=1,

@@ -9,6 +9,7 @@ checkpoint to resume or finetune from) and writes ``config.json``. The SFT stage
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,26 @@ class Prepared:
         return self.tokenizer.pad_token_id
 
 
+def restarted_by_torchrun() -> bool:
+    """torchrun --max-restarts: the workers of a restarted job see a count above 0."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def _resume_checkpoint(ck, is_logger: bool) -> Path | None:
+    """The checkpoint to resume from under --auto-resume or a torchrun restart: the newest
+    in --save that verifies (collective), or None (then --load as given)."""
+    if not ck.save or not (ck.auto_resume or restarted_by_torchrun()):
+        return None
+    found, passed_over = checkpointing.find_resume_checkpoint(ck.save)
+    if is_logger:
+        for why in passed_over:
+            print(f"auto-resume: passing over a damaged checkpoint: {why}", flush=True)
+        if found is None:
+            print(f"auto-resume: no complete checkpoint in {ck.save}; starting from "
+                  f"{ck.load or 'the initial weights'}", flush=True)
+    return found
+
+
 def prepare_training(cfg: RunConfig) -> Prepared:
     """Runtime + parallel groups, model + optimizer, then --load (HF weights, or a checkpoint
     to resume or to finetune from); writes config.json. Shared by the SFT and RL stages."""
@@ -72,7 +93,16 @@ def prepare_training(cfg: RunConfig) -> Prepared:
                                   train_iters=cfg.training.train_iters)
     start_step, extra = 0, None
     ck = cfg.checkpoint
-    if ck.load and ck.load_format == "hf":
+    resume = _resume_checkpoint(ck, is_logger)
+    if resume is not None:
+        extra, meta = checkpointing.load_checkpoint(
+            resume, objs, weights_only=False,
+            sharding=checkpointing.optimizer_sharding(cfg.optimizer.use_distributed_optimizer))
+        start_step = int(meta["step"])
+        objs.scheduler.load_state_dict(extra["scheduler"])
+        if is_logger:
+            print(f"resumed from {resume} at step {start_step}", flush=True)
+    elif ck.load and ck.load_format == "hf":
         load_hf_weights(objs.model, arch, ck.load)
         checkpointing.reload_main_params(objs.optimizer)
         if is_logger:

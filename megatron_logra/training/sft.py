@@ -50,7 +50,7 @@ def _train(cfg: RunConfig, prep, log: MetricsLog) -> RunResult:
         t0 = time.perf_counter()
         out = train_step(objs, batches.microbatches(step, dp_rank, dp_size),
                          seq_length=batches.step_length(step),
-                         micro_batch_size=t.micro_batch_size)
+                         micro_batch_size=t.micro_batch_size, update=step + 1)
         synchronize()
         record = {"step": step + 1, "loss": out.loss, "lr": out.lr, "grad_norm": out.grad_norm,
                   "tokens": out.tokens, "step_time_s": time.perf_counter() - t0,
@@ -65,11 +65,10 @@ def _train(cfg: RunConfig, prep, log: MetricsLog) -> RunResult:
             log.progress(record, t.train_iters)
         last = step + 1 == t.train_iters
         if ck.save and ((ck.save_interval and (step + 1) % ck.save_interval == 0) or last):
-            result.last_checkpoint = checkpointing.save_checkpoint(
-                ck.save, step + 1, objs, {"scheduler": objs.scheduler.state_dict()},
-                prep.checkpoint_meta)
-            if is_logger:
-                print(f"saved checkpoint {result.last_checkpoint}", flush=True)
+            saved = checkpointing.save_or_report(
+                ck, step + 1, objs, {"scheduler": objs.scheduler.state_dict()},
+                prep.checkpoint_meta, last=last)
+            result.last_checkpoint = saved or result.last_checkpoint
     if is_logger:
         print(f"metrics: {log.path.resolve()}", flush=True)
     if dist.is_initialized():

@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_logra.runtime.device import current_device
+from megatron_logra.runtime.faults import maybe_fail
 from megatron_logra.runtime.phase_times import PHASES
 from megatron_logra.training.loss import token_nll
 
@@ -104,10 +105,11 @@ OptimizerStep = Callable[[list[dict]], tuple[bool, float | None]]
 def train_step(objs, microbatches, *, seq_length: int, micro_batch_size: int,
                loss_fn: LossFn | None = None, reports_out: list | None = None,
                optimizer_step: OptimizerStep | None = None,
-               advance_schedule: bool = True) -> StepResult:
+               advance_schedule: bool = True, update: int = 0) -> StepResult:
     """One optimizer step. ``reports_out`` (a list) receives the last stage's loss reports;
     ``advance_schedule`` False keeps the learning rate where it is (the later optimizer
-    steps of one RL update: the schedule counts updates)."""
+    steps of one RL update: the schedule counts updates); ``update`` (1-based) names the
+    step to ``runtime.faults``."""
     objs.optimizer.zero_grad()
     if advance_schedule:
         objs.scheduler.step(increment=1)
@@ -118,11 +120,13 @@ def train_step(objs, microbatches, *, seq_length: int, micro_batch_size: int,
                                    vocab_size=objs.arch.vocab_size, loss_fn=loss_fn)
     if reports_out is not None:
         reports_out.extend(reports)
+    maybe_fail("backward", update)
     with PHASES("optimizer_step"):
         if optimizer_step is None:
             ok, grad_norm, _ = objs.optimizer.step()
         else:
             ok, grad_norm = optimizer_step(reports)
+    maybe_fail("optimizer", update)
     if not ok and advance_schedule:
         objs.scheduler.step(increment=-1)
     loss, tokens = global_loss(reports)

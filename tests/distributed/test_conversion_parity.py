@@ -62,6 +62,7 @@ def _write_naive_qkv_checkpoint(hf: Path, out: Path) -> None:
     from megatron_logra.convert.pipeline import _init_single_process
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.hf_mapping import megatron_from_hf
+    from megatron_logra.model import checkpoint_verify
     from megatron_logra.model.checkpoint_dir import FORMAT_VERSION, LATEST, META
 
     arch = load_arch(hf)
@@ -80,6 +81,7 @@ def _write_naive_qkv_checkpoint(hf: Path, out: Path) -> None:
     write_checkpoint(ckpt, checkpoint_layout(arch), produce, torch.float32)
     meta = {"format_version": FORMAT_VERSION, "step": 0, "arch": arch.to_dict(), "weights_only": True}
     (ckpt / META).write_text(json.dumps(meta))
+    checkpoint_verify.seal(ckpt)
     (out / LATEST).write_text("iter_0000000\n")
 
 

@@ -1,4 +1,5 @@
-"""A crash in the middle of a save leaves the previous checkpoint intact and selected."""
+"""A save that fails in the middle leaves the previous checkpoint intact and selected (a
+process that dies mid-save: tests/distributed/test_fault_tolerance.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def _cfg(tmp_path, *extra):
                              *extra], world_size=1)
 
 
-def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     from megatron_logra.training.sft import run_sft
 
     result = run_sft(_cfg(tmp_path))
@@ -27,18 +28,19 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
         raise RuntimeError("simulated crash during save")
 
     monkeypatch.setattr(checkpointing.dist_checkpointing, "save", crashing_save)
-    with pytest.raises(RuntimeError, match="simulated crash"):
+    with pytest.raises(checkpointing.CheckpointSaveError,
+                       match="iter_0000003 not saved: writing the state failed .RuntimeError: "
+                             "simulated crash during save.; the partial save is removed"):
         checkpointing.save_checkpoint(ck, 3, result.objects, {}, {"arch": None})
     monkeypatch.undo()
     assert (ck / "latest").read_text().strip() == "iter_0000002"
-    assert not (ck / "iter_0000003").exists() and (ck / "iter_0000003.partial").exists()
+    assert not (ck / "iter_0000003").exists() and not (ck / "iter_0000003.partial").exists()
     assert checkpointing.resolve_load_dir(ck) == ck / "iter_0000002"
 
-    # the previous checkpoint still loads and resumes; the stale partial is cleaned by a save
+    # the previous checkpoint still loads and resumes
     resumed = run_sft(_cfg(tmp_path, "--load", str(ck), "--train-iters", "3"))
     assert [r["step"] for r in resumed.records] == [3]
     assert checkpointing.resolve_load_dir(ck) == ck / "iter_0000003"
-    assert not (ck / "iter_0000003.partial").exists()
 
 
 def test_resume_refuses_other_optimizer_sharding(tmp_path):

@@ -45,7 +45,7 @@ EXPECTED_FLAGS = {
     "--wandb-exp-name", "--wandb-save-dir", "--ppo-epochs", "--ppo-minibatches",
     "--clip-ratio-low", "--clip-ratio-high", "--importance-ratio-level", "--loss-agg-mode",
     "--grpo-std-norm", "--no-grpo-std-norm", "--dynamic-sampling",
-    "--dynamic-sampling-max-rounds",
+    "--dynamic-sampling-max-rounds", "--save-keep", "--auto-resume",
 }
 
 
