@@ -89,6 +89,10 @@ class TrainingConfig:
     the local spec). Compare methods with local, so all run the same layers."""
     log_interval: int = field(default=1, metadata=_POSITIVE)
     """Updates between progress lines."""
+    max_skipped_updates: int = field(default=3, metadata=flag_spec(minimum=0))
+    """Stop the run after this many updates in a row were skipped for a non-finite loss,
+    sketch or gradient (each skip leaves weights and optimizer state untouched; 0: never
+    stop)."""
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,11 @@ class LograOptimizer:
             self.dense.zero_grad(set_to_none)
         self.sketches.zero()
 
+    def sketch_buffers(self) -> list[torch.Tensor]:
+        """The flat buffers of this rank's reduced sketches (``training.step`` checks them
+        for non-finite values before the step)."""
+        return [b for b in self.sketches.buffers.values() if b.numel()]
+
     def get_loss_scale(self):
         if self.dense is not None:
             return self.dense.get_loss_scale()

@@ -54,7 +54,8 @@ from megatron_logra.runtime.faults import maybe_fail
 from megatron_logra.training import checkpointing
 from megatron_logra.training.log_sinks import open_metrics_log
 from megatron_logra.training.metrics import MetricsLog
-from megatron_logra.training.step import forward_backward, global_report_sums, train_step
+from megatron_logra.training.step import (SkippedUpdates, forward_backward, global_report_sums,
+                                          train_step)
 from megatron_logra.training.prepare import RunResult, prepare_training
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -363,6 +364,7 @@ def _loop(run: RLRun, log: MetricsLog) -> RunResult:
     t, rl, ck = cfg.training, cfg.rl, cfg.checkpoint
     start = prep.start_step
     result = RunResult(objects=objs)
+    skipped = SkippedUpdates(t.max_skipped_updates)
     if start == 0:
         record = {"step": 0, **run.evaluate()}
         log.write(record)
@@ -373,6 +375,7 @@ def _loop(run: RLRun, log: MetricsLog) -> RunResult:
         maybe_fail("rollout", update + 1)
         samples, record = run.rollout_batch(update)
         record.update(run.train(samples, update))
+        skipped.record(record["update_successful"], update + 1, announce=run.rank == 0)
         run.version = update + 1
         sync_before = (run.sync.bytes, run.sync.seconds)
         maybe_fail("sync", update + 1)

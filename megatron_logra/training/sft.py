@@ -19,7 +19,7 @@ from megatron_logra.training import checkpointing
 from megatron_logra.training.log_sinks import open_metrics_log
 from megatron_logra.training.metrics import MetricsLog
 from megatron_logra.training.prepare import RunResult, prepare_training
-from megatron_logra.training.step import train_step
+from megatron_logra.training.step import SkippedUpdates, train_step
 
 
 def build_sft_batches(cfg: RunConfig, tokenizer) -> SFTBatches:
@@ -42,6 +42,7 @@ def _train(cfg: RunConfig, prep, log: MetricsLog) -> RunResult:
     objs, tokenizer, start_step, ck = prep.objs, prep.tokenizer, prep.start_step, cfg.checkpoint
     is_logger = dist.get_rank() == 0
     batches = build_sft_batches(cfg, tokenizer)
+    skipped = SkippedUpdates(cfg.training.max_skipped_updates)
     result = RunResult(objects=objs)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -52,6 +53,7 @@ def _train(cfg: RunConfig, prep, log: MetricsLog) -> RunResult:
                          seq_length=batches.step_length(step),
                          micro_batch_size=t.micro_batch_size, update=step + 1)
         synchronize()
+        skipped.record(out.update_successful, step + 1, announce=is_logger)
         record = {"step": step + 1, "loss": out.loss, "lr": out.lr, "grad_norm": out.grad_norm,
                   "tokens": out.tokens, "step_time_s": time.perf_counter() - t0,
                   "peak_mem_bytes": peak_memory_bytes(),

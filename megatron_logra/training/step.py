@@ -10,6 +10,7 @@ megatron's schedule at step i + 1: linear warm-up (i + 1) / W from the first upd
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -72,13 +73,6 @@ def global_report_sums(reports: list[dict], width: int) -> list[float]:
     return (total / tp).tolist()
 
 
-def global_loss(reports: list[dict]) -> tuple[float, int]:
-    """(mean loss, tokens) over the whole global batch: every report starts with
-    [loss_sum, tokens]."""
-    loss_sum, count = global_report_sums(reports, 2)
-    return (loss_sum / count if count else float("nan")), int(round(count))
-
-
 def forward_backward(model, microbatches, *, seq_length: int, micro_batch_size: int,
                      vocab_size: int, forward_only: bool = False,
                      loss_fn: LossFn | None = None) -> list[dict]:
@@ -95,6 +89,49 @@ def forward_backward(model, microbatches, *, seq_length: int, micro_batch_size: 
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )
+
+
+def _finite_update(objs, loss_sum: float) -> bool:
+    """False when the global loss sum, any rank's gradients (megatron's DDP grad buffers) or
+    (LoGRA) any rank's reduced sketches are not finite: the step is then skipped on every
+    rank (the loss is the same everywhere; the rest is one MIN all-reduce)."""
+    tensors = [buffer.grad_data for chunk in objs.model
+               for buffer in getattr(chunk, "buffers", []) +
+               getattr(chunk, "expert_parallel_buffers", [])]
+    sketches = getattr(objs.optimizer, "sketch_buffers", None)
+    tensors += sketches() if sketches is not None else []
+    flag = torch.full((1,), 1.0 if math.isfinite(loss_sum) else 0.0, device=current_device())
+    if tensors:  # one pass over each buffer, one host sync
+        flag *= torch.stack([torch.isfinite(t).all() for t in tensors]).all().float()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+class SkippedUpdatesError(RuntimeError):
+    """Too many updates in a row were skipped (non-finite loss, sketches or grads)."""
+
+
+@dataclass
+class SkippedUpdates:
+    """Counts skipped updates in a row and stops the run at ``limit`` (0: never)."""
+
+    limit: int
+    in_a_row: int = 0
+
+    def record(self, ok: bool, update: int, *, announce: bool) -> None:
+        if ok:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        if announce:
+            print(f"update {update} skipped: non-finite loss or gradients (weights and "
+                  f"optimizer state untouched; {self.in_a_row} in a row)", flush=True)
+        if self.limit and self.in_a_row >= self.limit:
+            raise SkippedUpdatesError(
+                f"{self.in_a_row} updates in a row (up to update {update}) had a non-finite "
+                f"loss or gradients and were skipped: the run stops (--max-skipped-updates "
+                f"{self.limit}). Lower --lr or check the data; resume from the last "
+                f"checkpoint with --load")
 
 
 OptimizerStep = Callable[[list[dict]], tuple[bool, float | None]]
@@ -121,14 +158,19 @@ def train_step(objs, microbatches, *, seq_length: int, micro_batch_size: int,
     if reports_out is not None:
         reports_out.extend(reports)
     maybe_fail("backward", update)
-    with PHASES("optimizer_step"):
-        if optimizer_step is None:
-            ok, grad_norm, _ = objs.optimizer.step()
-        else:
-            ok, grad_norm = optimizer_step(reports)
+    loss_sum, count = global_report_sums(reports, 2)  # a batch without loss tokens: sum 0
+    loss, tokens = (loss_sum / count if count else float("nan")), int(round(count))
+    if _finite_update(objs, loss_sum):
+        with PHASES("optimizer_step"):
+            if optimizer_step is None:
+                ok, grad_norm, _ = objs.optimizer.step()
+            else:
+                ok, grad_norm = optimizer_step(reports)
+    else:  # weights and optimizer state untouched; the grads and sketches are dropped
+        objs.optimizer.zero_grad()
+        ok, grad_norm = False, None
     maybe_fail("optimizer", update)
     if not ok and advance_schedule:
         objs.scheduler.step(increment=-1)
-    loss, tokens = global_loss(reports)
     return StepResult(loss, tokens, None if grad_norm is None else float(grad_norm), bool(ok),
                       lr)
