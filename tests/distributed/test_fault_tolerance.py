@@ -89,7 +89,7 @@ def test_reference_keeps_the_newest_checkpoints(runs):
 def test_a_dead_rank_restarts_and_resumes_exactly(runs, fault, resumed_at):
     log = runs["log"][fault]
     assert f"[fault] rank {1 if fault == 'optimizer' else 0} dies at {fault}" in log
-    assert f"resumed from" in log and f"iter_{resumed_at:07d} at step {resumed_at}" in log
+    assert "resumed from" in log and f"iter_{resumed_at:07d} at step {resumed_at}" in log
     run, ref = runs["tmp"] / fault, runs["tmp"] / "reference"
     assert _metrics(run) == _metrics(ref)  # bit for bit, every update once
     mine, theirs = _model(run / "ckpt" / "iter_0000006"), _model(ref / "ckpt" / "iter_0000006")
