@@ -41,7 +41,8 @@ class _RaisingParser(argparse.ArgumentParser):
 
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    return {opt: a for a in parser._actions for opt in a.option_strings if opt.startswith("--")}
+    return {opt: a for a in parser._actions for opt in a.option_strings
+            if opt.startswith("--") and a.dest != "help"}
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, object, Path]]:
