@@ -94,15 +94,19 @@ def forward_backward(model, microbatches, *, seq_length: int, micro_batch_size: 
 def _finite_update(objs, loss_sum: float) -> bool:
     """False when the global loss sum, any rank's gradients (megatron's DDP grad buffers) or
     (LoGRA) any rank's reduced sketches are not finite: the step is then skipped on every
-    rank (the loss is the same everywhere; the rest is one MIN all-reduce)."""
+    rank (the loss is the same everywhere; the rest is one MIN all-reduce). The buffers are
+    summed, not tested element by element: a bool copy of every gradient would raise the
+    step's peak memory by a quarter of the fp32 grads (an overflowing sum of finite
+    gradients, which would also skip, signals a step gone wrong anyway)."""
     tensors = [buffer.grad_data for chunk in objs.model
                for buffer in getattr(chunk, "buffers", []) +
                getattr(chunk, "expert_parallel_buffers", [])]
     sketches = getattr(objs.optimizer, "sketch_buffers", None)
     tensors += sketches() if sketches is not None else []
     flag = torch.full((1,), 1.0 if math.isfinite(loss_sum) else 0.0, device=current_device())
-    if tensors:  # one pass over each buffer, one host sync
-        flag *= torch.stack([torch.isfinite(t).all() for t in tensors]).all().float()
+    if tensors:  # a sum carries any NaN or inf: one pass, no buffer-sized temporary
+        total = torch.stack([t.sum(dtype=torch.float32) for t in tensors]).sum()
+        flag *= torch.isfinite(total).float()
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 

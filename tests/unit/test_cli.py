@@ -46,6 +46,7 @@ EXPECTED_FLAGS = {
     "--clip-ratio-low", "--clip-ratio-high", "--importance-ratio-level", "--loss-agg-mode",
     "--grpo-std-norm", "--no-grpo-std-norm", "--dynamic-sampling",
     "--dynamic-sampling-max-rounds", "--save-keep", "--auto-resume",
+    "--max-skipped-updates",
 }
 
 
