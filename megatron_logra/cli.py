@@ -260,15 +260,12 @@ def parse_run_config(argv: list[str] | None = None, world_size: int | None = Non
 def _logging_config(args: argparse.Namespace) -> LoggingConfig:
     import importlib.util
 
-    from megatron_logra.runtime.lazy_wandb import wandb_installed
-
     cfg = from_flags(LoggingConfig, args)
-    if cfg.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("--tensorboard-dir needs the tensorboard package, which is not "
-                          "installed: pip install tensorboard (requirements/lock.txt pins it)")
-    if cfg.wandb_project and not wandb_installed():
-        raise ConfigError("--wandb-project needs the wandb package, which is not installed: "
-                          "pip install wandb (requirements/lock.txt pins it)")
+    for flag, wanted, module in (("--tensorboard-dir", cfg.tensorboard_dir, "tensorboard"),
+                                 ("--wandb-project", cfg.wandb_project, "wandb")):
+        if wanted and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{flag} needs the {module} package, which is not installed: "
+                              f"pip install {module} (requirements/lock.txt pins it)")
     if (cfg.wandb_exp_name or cfg.wandb_save_dir) and not cfg.wandb_project:
         raise ConfigError("--wandb-exp-name / --wandb-save-dir need --wandb-project")
     return cfg

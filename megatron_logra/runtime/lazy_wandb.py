@@ -1,35 +1,33 @@
-"""wandb, imported only where this project logs to it.
+"""wandb, kept out of megatron-core's own imports.
 
 megatron-core imports wandb at import time whenever it is installed
 (``megatron/core/timers.py``, ``inference/contexts/dynamic_context.py``) to log its own
 timers, which this project never asks it to; that import costs ~0.5 s in every process
 (every torchrun rank, every engine). ``keep_out_of_megatron()``, run when
-``megatron_logra`` is imported, makes those imports find no wandb (megatron then keeps
-``wandb = None``); ``import_wandb()`` lifts that and imports the real one, for
-``--wandb-project`` and the tests that read W&B's files.
+``megatron_logra`` is imported, installs an import hook that answers "not installed" to
+an ``import wandb`` made by megatron's modules only (megatron then keeps ``wandb =
+None``); every other import of wandb (``--wandb-project``, a user's own code) is untouched.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.machinery
+import importlib.abc
 import sys
 
 
+class _NoWandbForMegatron(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "wandb":
+            return None
+        frame = sys._getframe(1)
+        while frame is not None:  # who imports: megatron-core's modules get "not installed"
+            if frame.f_globals.get("__name__", "").startswith("megatron.core"):
+                raise ModuleNotFoundError("wandb is kept out of megatron-core's imports",
+                                          name="wandb")
+            frame = frame.f_back
+        return None
+
+
 def keep_out_of_megatron() -> None:
-    if "wandb" not in sys.modules:
-        sys.modules["wandb"] = None  # "import wandb" raises ImportError until lifted
-
-
-def wandb_installed() -> bool:
-    """Whether wandb can be imported (looking past the block)."""
-    if sys.modules.get("wandb") is not None:
-        return True
-    return importlib.machinery.PathFinder.find_spec("wandb") is not None
-
-
-def import_wandb():
-    """The wandb module (ImportError if it is not installed)."""
-    if "wandb" in sys.modules and sys.modules["wandb"] is None:
-        del sys.modules["wandb"]
-    return importlib.import_module("wandb")
+    if not any(isinstance(f, _NoWandbForMegatron) for f in sys.meta_path):
+        sys.meta_path.insert(0, _NoWandbForMegatron())

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Protocol
 
 from megatron_logra.config import LoggingConfig, RunConfig
-from megatron_logra.runtime.lazy_wandb import import_wandb
 from megatron_logra.training.metrics import MetricsLog
 
 INIT_TIMEOUT_S = 30.0
@@ -68,7 +67,8 @@ class WandbSink:
     resumed run continues the same W&B run."""
 
     def __init__(self, cfg: LoggingConfig, output_dir: str, config: dict):
-        wandb = import_wandb()
+        import wandb
+
         self.wandb, self.run = wandb, None
         id_file = Path(output_dir) / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)

@@ -37,9 +37,6 @@ def tensorboard_text(log_dir: str | Path, tag: str) -> str:
 
 def wandb_records(run_file: str | Path) -> list:
     """The ``wandb_internal_pb2.Record`` messages of an offline run file, in order."""
-    from megatron_logra.runtime.lazy_wandb import import_wandb
-
-    import_wandb()
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = Path(run_file).read_bytes()
