@@ -13,6 +13,7 @@ import pytest
 from megatron_logra.cli import build_parser, parse_run_config
 from megatron_logra.config_file import file_tokens
 from megatron_logra.model.tiny_assets import tiny_hf_config
+from test_paper_recipe import SHAPES  # the paper's model shapes
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if not p.name.startswith("_"))
@@ -54,16 +55,7 @@ def test_recipe_passes_the_launchers_checks(tmp_path, recipe):
         model = tmp_path / "model"
         model.mkdir()
         size = recipe.stem.split("-")[-1]
-        shape = {"1.5b": ("qwen2", dict(hidden_size=1536, num_layers=28, num_heads=12,
-                                         num_kv_heads=2, intermediate_size=8960,
-                                         vocab_size=151936, max_position_embeddings=32768)),
-                 "7b": ("qwen2", dict(hidden_size=3584, num_layers=28, num_heads=28,
-                                      num_kv_heads=4, intermediate_size=18944,
-                                      vocab_size=152064, max_position_embeddings=32768)),
-                 "27b": ("qwen3", dict(hidden_size=5376, num_layers=62, num_heads=32,
-                                       num_kv_heads=16, head_dim=128, intermediate_size=21504,
-                                       vocab_size=262144, max_position_embeddings=32768))
-                 }.get(size, ("llama", SMOLLM2))
+        shape = SHAPES.get(size.upper(), ("llama", SMOLLM2))
         (model / "config.json").write_text(json.dumps(tiny_hf_config(shape[0], **shape[1])))
         argv += ["--model-dir", str(model)]
     cfg = parse_run_config(argv, world_size=_world_size(recipe))
