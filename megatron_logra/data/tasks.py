@@ -2,8 +2,8 @@
 
 ``resolve_tasks("rg-hard")`` / ``resolve_tasks("basic_arithmetic,chain_sum:2")`` /
 ``resolve_tasks("math")`` name a mixture of reasoning-gym tasks (or the offline math
-problems); ``generate_items`` makes its items deterministically (codeio in a scratch
-subprocess, its broken items filtered). SFT trains on an item's question and answer;
+problems); ``generate_items`` makes its items deterministically (codeio, which runs code,
+in a sandboxed subprocess: ``runtime.sandbox``; its broken items filtered). SFT trains on an item's question and answer;
 RL scores responses against its ``entry`` (``rl.verifiers``).
 """
 
@@ -14,6 +14,9 @@ import multiprocessing as mp
 import os
 import tempfile
 from dataclasses import dataclass, field
+
+from megatron_logra.runtime.sandbox import (SandboxLimits, TimeLimitExceeded, enter_sandbox,
+                                             time_limit)
 
 # The paper's Reasoning-Gym Hard mixture.
 PRESETS = {"rg-hard": ("codeio", "emoji_mystery", "rectangle_count", "word_ladder",
@@ -83,15 +86,45 @@ def _reasoning_gym_entries(name: str, count: int, seed: int) -> list[dict]:
 
 
 def _generate_in_subprocess(name: str, count: int, seed: int) -> list[dict]:
-    """codeio exec()s its samples while generating: do it in a child process in a scratch dir."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix=f"{name}_gen_") as scratch, ctx.Pool(1) as pool:
-        return pool.apply(_entries_in_dir, (name, count, seed, scratch))
+    """codeio exec()s its samples while generating: do it in a sandboxed child process
+    (``runtime.sandbox``: a scratch directory, capped memory, no writes outside it, a time
+    limit per item; an item that breaks a limit is dropped)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    with tempfile.TemporaryDirectory(prefix=f"{name}_gen_") as scratch, ProcessPoolExecutor(
+            1, mp_context=mp.get_context("spawn")) as pool:
+        try:
+            entries, dropped = pool.submit(sandboxed_entries, name, count, seed, scratch,
+                                           SandboxLimits(), ITEM_TIMEOUT_S).result()
+        except BrokenProcessPool:
+            raise RuntimeError(f"generating {name} items: the sandboxed generator process "
+                               f"died (its output is above)") from None
+    if dropped:
+        print(f"{name}: {len(dropped)} of {count} items dropped ({'; '.join(dropped[:3])})",
+              flush=True)
+    return entries
 
 
-def _entries_in_dir(name: str, count: int, seed: int, scratch: str) -> list[dict]:
-    os.chdir(scratch)
-    return _reasoning_gym_entries(name, count, seed)
+ITEM_TIMEOUT_S = 10.0  # the longest one generated task item may take (codeio runs code)
+
+
+def sandboxed_entries(name: str, count: int, seed: int, scratch: str, limits: SandboxLimits,
+                      item_timeout_s: float) -> tuple[list[dict], list[str]]:
+    """(entries, why each dropped item was dropped) of reasoning-gym task ``name``, made
+    in this process after ``enter_sandbox``; entries keep their order."""
+    enter_sandbox(scratch, limits)
+    import reasoning_gym
+
+    dataset = reasoning_gym.create_dataset(name, size=count, seed=seed)
+    entries, dropped = [], []
+    for i in range(count):
+        try:
+            with time_limit(item_timeout_s):
+                entries.append(_json_safe(dict(dataset[i])))
+        except (TimeLimitExceeded, MemoryError, OSError) as exc:
+            dropped.append(f"item {i}: {type(exc).__name__}: {exc}")
+    return entries, dropped
 
 
 def _math_entries(count: int, seed: int) -> list[dict]:

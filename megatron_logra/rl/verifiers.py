@@ -1,7 +1,9 @@
 """Verifier rewards for the task items of ``data.tasks`` (reasoning-gym scorers, math-verify).
 
-``Verifier`` scores responses in a separate process with a timeout per answer, so a
-scorer that hangs, crashes or raises costs one reward of 0 (logged), never the run.
+``Verifier`` scores responses in a separate, sandboxed process (``runtime.sandbox``) with
+a timeout per answer, so a scorer that hangs, crashes, raises, runs out of its memory
+cap, floods its output, writes outside its scratch directory or returns something other
+than a finite number costs one reward of 0 (logged), never the run.
 
 Reward: binary correctness (``score == 1.0``, reasoning-gym's partial credit
 does not count) by default, or the partial score with ``reward="partial"``.
@@ -9,15 +11,18 @@ does not count) by default, or the partial score with ``reward="partial"``.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_logra.data.tasks import MATH, TaskItem
+from megatron_logra.runtime.sandbox import SandboxLimits, enter_sandbox
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -27,6 +32,7 @@ class VerifierConfig:
     reward: str = "binary"  # binary (score == 1.0) | partial (the scorer's score in [0, 1])
     timeout_s: float = 10.0  # per answer; a timeout scores 0
     max_answer_chars: int = 4000  # longer answers are cut before scoring
+    limits: SandboxLimits = SandboxLimits()  # the scoring process's memory and file caps
 
 
 def extract_answer(response: str) -> str:
@@ -52,17 +58,33 @@ def score_one(task: str, answer: str, entry: dict) -> float:
 _SCORERS: dict = {}
 
 
-def _serve(conn, score_fn) -> None:
-    """The scoring process: (task, answer, entry) -> ("ok", score) | ("error", message)."""
-    os.chdir(tempfile.mkdtemp(prefix="verifier_"))
+def _serve(conn, score_fn, scratch: str, limits: SandboxLimits) -> None:
+    """The scoring process: (task, answer, entry) -> ("ok", score) | ("error", message).
+    It runs sandboxed (``runtime.sandbox``), its output goes to ``scratch``/output.log
+    (a flood of it fails that answer once the file reaches ``limits.file_mb``), and a
+    score must be a finite number."""
+    log = os.open(os.path.join(scratch, OUTPUT_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    enter_sandbox(scratch, limits)
     while True:
         job = conn.recv()
         if job is None:
             return
         try:
-            conn.send(("ok", score_fn(*job)))
+            conn.send(("ok", _finite_score(score_fn(*job))))
         except Exception as exc:  # noqa: BLE001 - a scorer's failure scores 0
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            conn.send(("error", f"{type(exc).__name__}: {exc}"[:500]))
+
+
+OUTPUT_LOG = "output.log"
+
+
+def _finite_score(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value):
+        raise TypeError(f"the scorer returned {value!r:.80}, not a finite number")
+    return float(value)
 
 
 @dataclass
@@ -83,14 +105,15 @@ class Verifier:
         if cfg.timeout_s <= 0:
             raise ValueError(f"--verifier-timeout {cfg.timeout_s}: must be > 0 seconds")
         self.cfg, self.score_fn = cfg, score_fn
-        self._proc = None
-        self._conn = None
+        self._proc = self._conn = self._scratch = None
         self.failures: list[str] = []
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, self.score_fn), daemon=True)
+        self._scratch = tempfile.mkdtemp(prefix="verifier_")
+        self._proc = ctx.Process(target=_serve, daemon=True,
+                                 args=(child, self.score_fn, self._scratch, self.cfg.limits))
         self._proc.start()
         child.close()
 
@@ -98,7 +121,9 @@ class Verifier:
         if self._proc is not None:
             self._proc.kill()
             self._proc.join(5)
-        self._proc = self._conn = None
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+        self._proc = self._conn = self._scratch = None
 
     def close(self) -> None:
         if self._proc is not None and self._proc.is_alive():
@@ -120,13 +145,23 @@ class Verifier:
                 return self._failed(item, "timeout")
             status, value = self._conn.recv()
         except (EOFError, OSError, BrokenPipeError) as exc:
+            last_words = self._output_tail()
             self._kill()
-            return self._failed(item, f"error: scorer process died ({type(exc).__name__})")
+            return self._failed(item, f"error: scorer process died ({type(exc).__name__})"
+                                + (f"; its last output: {last_words}" if last_words else ""))
         if status != "ok":
             return self._failed(item, f"error: {value}")
         score = min(max(float(value), 0.0), 1.0)
         reward = score if self.cfg.reward == "partial" else float(score >= 1.0)
         return ScoreResult(reward, score, "ok")
+
+    def _output_tail(self, chars: int = 300) -> str:
+        try:
+            with open(os.path.join(self._scratch, OUTPUT_LOG), "rb") as f:
+                f.seek(max(os.fstat(f.fileno()).st_size - chars, 0))
+                return f.read().decode(errors="replace").strip()
+        except (OSError, TypeError):
+            return ""
 
     def _failed(self, item: TaskItem, status: str) -> ScoreResult:
         message = f"scorer of {item.task} item {item.index}: {status} (reward 0)"

@@ -1,5 +1,5 @@
 """Verifier registry and scoring (real reasoning-gym and math-verify scorers, and scorers
-that hang, crash or raise), and the RL math (GRPO, running baseline, TIS, PG loss)
+that hang, crash, raise, flood, escape or return garbage), and the RL math (GRPO, running baseline, TIS, PG loss)
 against hand-computed cases."""
 
 import math
@@ -13,6 +13,7 @@ from megatron_logra.data.tasks import PRESETS, resolve_tasks
 from megatron_logra.data.tasks import TaskItem as RLItem
 from megatron_logra.data.tasks import generate_items as generate_rl_items
 from megatron_logra.rl.verifiers import Verifier, VerifierConfig, extract_answer
+from megatron_logra.runtime.sandbox import SandboxLimits
 
 
 def test_task_specs_resolve_presets_weights_and_math():
@@ -78,6 +79,31 @@ def test_hanging_crashing_and_raising_scorers_cost_one_zero_reward_each():
         assert raised.reward == 0.0 and "ZeroDivisionError: scorer bug" in raised.status
         assert v.score(item, "1.0").reward == 1.0
         assert len(v.failures) == 3 and all("fake item 7" in f for f in v.failures)
+    finally:
+        v.close()
+
+
+def test_scorers_that_flood_escape_or_return_garbage_cost_one_zero_reward_each(tmp_path):
+    """The scoring process's sandbox: output capped (a flood fails that answer), no file
+    written outside its scratch directory, memory capped, and only a finite number
+    counts as a score; the process lives on (or is replaced) and scores the next one."""
+    item = RLItem("fake", "q", "a", 3, {})
+    outside = tmp_path / "escaped.txt"
+    limits = SandboxLimits(memory_gib=2.0, file_mb=1.0)
+    v = Verifier(VerifierConfig(timeout_s=20.0, limits=limits), score_fn=misbehaving)
+    try:
+        assert v.score(item, "1.0").reward == 1.0
+        statuses = {answer: v.score(item, answer).status
+                    for answer in ("flood", f"write:{outside}", "memory", "garbage", "nan")}
+        assert "File too large" in statuses["flood"], statuses
+        assert "may not write outside its scratch directory" in statuses[f"write:{outside}"]
+        assert not outside.exists()
+        assert "MemoryError" in statuses["memory"], statuses
+        assert "not a finite number" in statuses["garbage"] and "'very good'" in \
+            statuses["garbage"]
+        assert "not a finite number" in statuses["nan"]
+        assert v.score(item, "0.5").score == 0.5  # the same scoring process goes on
+        assert len(v.failures) == 5
     finally:
         v.close()
 
