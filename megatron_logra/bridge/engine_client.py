@@ -24,6 +24,9 @@ from megatron_logra.bridge.protocol import (IN_FLIGHT, Command, Completion, Engi
                                             SampleRequest)
 
 
+_ENGINE_STARTS = [0]  # engines this process has started (``runtime.faults``: the first one)
+
+
 class RolloutEngine:
     """Client of the engine process (create it on one trainer rank only)."""
 
@@ -42,7 +45,9 @@ class RolloutEngine:
         # TP > 1 engine is not daemonic, and is killed at exit (before multiprocessing
         # would wait for it); it also exits by itself when this end of the pipe closes
         daemon = self.cfg.tensor_parallel_size == 1
-        self._proc = ctx.Process(target=serve, args=(child, self.cfg), daemon=daemon)
+        _ENGINE_STARTS[0] += 1
+        self._proc = ctx.Process(target=serve, args=(child, self.cfg, _ENGINE_STARTS[0]),
+                                 daemon=daemon)
         self._proc.start()
         if not daemon:
             atexit.register(self._kill)
@@ -144,12 +149,13 @@ class RolloutEngine:
 
     # --- rollouts --------------------------------------------------------------------------
     def generate(self, requests: list[SampleRequest], expected_version: int,
-                 on_progress=None) -> list[Completion]:
-        """``on_progress(done, total, note)``: called as samples finish (vLLM's speed note)."""
+                 on_progress=None, phase: str = "rollouts") -> list[Completion]:
+        """``on_progress(done, total, note)``: called as samples finish (vLLM's speed note);
+        ``phase``: what the samples are for ("rollouts N", "eval"; progress and faults)."""
         if self.version != expected_version:
             raise EngineError(f"engine serves weights version {self.version}, the trainer is at "
                               f"{expected_version}: push before generating")
-        return self._call(Command.GENERATE, requests, on_progress)
+        return self._call(Command.GENERATE, (requests, phase), on_progress)
 
     def prompt_logprobs(self, rows: list[list[int]]) -> list[list[float]]:
         """log p(row[t] | row[:t]) for t >= 1 under the committed weights."""

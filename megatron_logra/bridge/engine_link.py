@@ -114,7 +114,7 @@ class EngineLink:
                     with Progress(phase, len(requests), "samples") as progress:
                         done = self.engine.generate(
                             requests, version,
-                            lambda n, _, note: progress.update(n, speed_note(note)))
+                            lambda n, _, note: progress.update(n, speed_note(note)), phase)
                 except EngineError as exc:
                     status = str(exc)
                     print(f"rollout failed ({status}); restarting the engine", flush=True)

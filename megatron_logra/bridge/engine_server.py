@@ -27,10 +27,14 @@ from megatron_logra.bridge.protocol import (IN_FLIGHT, LIVE_WEIGHTS_ENV, WORKER_
                                             Command, Completion, EngineConfig, PushInFlight,
                                             PushRefused, Reply, SampleRequest, WorkerRPC,
                                             call_workers)
+from megatron_logra.runtime.faults import engine_fault
 
 
-def serve(conn, cfg: EngineConfig) -> None:
-    """The engine process: build vLLM, then answer (command, payload) messages."""
+def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
+    """The engine process: build vLLM, then answer (command, payload) messages.
+    ``engine_start``: how many engines the trainer has started, this one included
+    (``runtime.faults`` injects its k-th engine fault into the k-th engine)."""
+    _exit_with_the_trainer()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
     if cfg.delta_sync:
@@ -72,7 +76,10 @@ def serve(conn, cfg: EngineConfig) -> None:
             return
     conn.send((Reply.OK, "ready"))
     adapter = ServedAdapter(tempfile.mkdtemp(prefix="lora-adapters-")) if cfg.lora_rank else None
-    handlers = {Command.GENERATE: partial(_generate, adapter, conn),
+    fault = partial(engine_fault, engine_start=engine_start)
+    committed = [0]  # the last version committed here (the start-up weights: 0)
+    handlers = {Command.GENERATE: partial(_generate, adapter, conn,
+                                          lambda: fault("engine-generate", committed[0] + 1)),
                 Command.LOAD: partial(_load, receiver),
                 Command.COMMIT: _commit, Command.VERSION: lambda llm, _: _engine_version(llm),
                 Command.PROMPT_LOGPROBS: partial(_prompt_logprobs, adapter)}
@@ -96,7 +103,12 @@ def serve(conn, cfg: EngineConfig) -> None:
                                       f"delta_sync)"))
             continue
         try:
-            conn.send((Reply.OK, handlers[command](llm, payload)))
+            value = handlers[command](llm, payload)
+            if command in _FAULT_AFTER:
+                fault(_FAULT_AFTER[command], committed[0] + 1)
+            if command == Command.COMMIT:
+                committed[0] = value
+            conn.send((Reply.OK, value))
         except PushRefused as exc:  # nothing was applied: keep serving the previous version
             conn.send((Reply.REFUSED, str(exc)))
         except PushInFlight as exc:  # nothing was run: keep going
@@ -106,15 +118,36 @@ def serve(conn, cfg: EngineConfig) -> None:
             return
 
 
+def _exit_with_the_trainer() -> None:
+    """Linux: have the kernel kill this process when the trainer rank that started it dies
+    (``PR_SET_PDEATHSIG``), so a killed trainer leaves no engine behind; vLLM's TP workers
+    exit when this process does (their death pipe)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the pipe's EOF ends the engine instead
+        return
+    if os.getppid() == 1:  # the trainer died before the call above
+        os._exit(1)
+
+
+# the fault (``runtime.faults``) injected after a command was carried out, before its reply
+_FAULT_AFTER = {Command.LOAD: "engine-full-push", Command.SKETCH_DELTA: "engine-delta-push",
+                Command.SPARSE_DELTA: "engine-delta-push"}
+
+
 class _PipeProgressBar:
     """What vLLM's ``generate(use_tqdm=callable)`` drives as tqdm: wrapping an iterable
     (adding the requests: passed through, nothing sent), or counting finished requests
     (``update``, ``n``, ``postfix``, ``format_dict``, ``refresh``, ``close``), which sends
     (done, total, vLLM's speed note) to the trainer at most every 0.5 s and at the end
-    (``Reply.PROGRESS``)."""
+    (``Reply.PROGRESS``). ``on_update()``: called as each request finishes (faults)."""
 
-    def __init__(self, conn, iterable=None, total: int | None = None, **_):
+    def __init__(self, conn, iterable=None, total: int | None = None, on_update=None, **_):
         self.conn, self.iterable, self.total = conn, iterable, total
+        self.on_update = on_update
         self.n, self.postfix = 0, ""
         self.start = time.perf_counter()
         self._sent = 0.0
@@ -128,6 +161,8 @@ class _PipeProgressBar:
 
     def update(self, n: int = 1) -> None:
         self.n += n
+        if self.on_update is not None:
+            self.on_update()
         now = time.perf_counter()
         if now - self._sent >= 0.5 or self.n >= (self.total or 0):
             self.conn.send((Reply.PROGRESS, (self.n, self.total, str(self.postfix))))
@@ -140,15 +175,21 @@ class _PipeProgressBar:
         pass
 
 
-def _generate(adapter, conn, llm, requests: list[SampleRequest]) -> list[Completion]:
+def _generate(adapter, conn, rollout_fault, llm,
+              payload: tuple[list[SampleRequest], str]) -> list[Completion]:
+    """``payload``: (requests, phase); ``rollout_fault()`` runs as each sample of an
+    update's rollouts (phase "rollouts ...") finishes."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    requests, phase = payload
     _require_committed(llm)
     prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
     params = [SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature,
                              top_p=r.top_p, seed=r.seed, logprobs=0) for r in requests]
-    outputs = llm.generate(prompts, params, use_tqdm=partial(_PipeProgressBar, conn),
+    on_update = rollout_fault if phase.startswith("rollouts") else None
+    outputs = llm.generate(prompts, params,
+                           use_tqdm=partial(_PipeProgressBar, conn, on_update=on_update),
                            lora_request=adapter.request if adapter else None)
     done = []
     for out in outputs:

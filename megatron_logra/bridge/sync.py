@@ -99,6 +99,14 @@ class WeightSync:
         """Whether the engine must take delta pushes (``EngineConfig.delta_sync``)."""
         return self.cfg.transport in (Transport.SPARSE_DELTA, Transport.SKETCH_DELTA)
 
+    def engine_mismatches(self, engine) -> int | None:
+        """How many HF tensors the engine holds differently from the trainer (fingerprints;
+        every rank); None when the engine cannot tell (one without delta_sync) or failed."""
+        if not self.needs_in_place_engine:
+            return None
+        bad, _ = self.full.mismatches(engine)
+        return None if bad is None else len(bad)
+
     # --- one push --------------------------------------------------------------------------
     def push(self, engine, version: int, transport: str | None = None) -> PushResult:
         """Push the trainer's weights as ``version``; ``transport`` forces one (tests,
@@ -133,23 +141,27 @@ class WeightSync:
         """Every rank sends its own part to rank 0; each vLLM worker applies its shard of it
         in place. None: refused before anything was applied."""
         payload = delta.gather()
-        out, refused = PushResult(), [False]
+        out, status = PushResult(), [False, ""]  # [refused, failure], rank 0's on every rank
         if self.rank == 0:
             try:
                 out.sent = delta.send(engine, payload, version)
             except PushRefused as exc:
                 print(f"{delta.transport} push refused ({exc}); pushing full weights",
                       flush=True)
-                refused = [True]
+                status[0] = True
             except EngineError as exc:
-                out.failed = str(exc)
-        dist.broadcast_object_list(refused, src=0)
-        if refused[0]:
+                status[1] = str(exc)
+        # every rank must know of a failure too: the fingerprint check below is collective
+        dist.broadcast_object_list(status, src=0)
+        if status[0]:
             return None
+        if status[1]:  # the engine died: the caller restarts it and pushes in full
+            out.failed = status[1]
+            return out
         self.stats.delta_pushes += 1
         delta.applied(version)
         every = self.cfg.verify_interval
-        if not out.failed and delta.verifiable and every and self.stats.delta_pushes % every == 0:
+        if delta.verifiable and every and self.stats.delta_pushes % every == 0:
             checked, mismatches = self.full.resend_mismatches(engine, version)
             self.stats.fingerprint_mismatches += mismatches
             out.failed, out.sent = checked.failed, out.sent + checked.sent

@@ -112,28 +112,34 @@ class FullPush:
                 out.failed = str(exc)
         return out
 
-    def resend_mismatches(self, engine, version: int) -> tuple[PushResult, int]:
-        """Compare trainer and engine fingerprints of every HF tensor and resend the
-        mismatching ones in full: (result, number of mismatching tensors)."""
-        w = self.weights
-        mine = w.fingerprints()
+    def mismatches(self, engine) -> tuple[list[str] | None, str]:
+        """(HF names whose trainer and engine fingerprints differ, "") on every rank, or
+        (None, the engine's error)."""
+        mine = self.weights.fingerprints()
         bad, failed = [[]], ""
-        if w.rank == 0:
+        if self.weights.rank == 0:
             try:
                 theirs = engine.fingerprints(sorted(mine))
                 bad = [[n for n in sorted(mine) if not same_fingerprint(mine[n], theirs[n])]]
             except EngineError as exc:
                 bad, failed = [None], str(exc)
         dist.broadcast_object_list(bad, src=0)
-        if bad[0] is None:
+        return bad[0], failed
+
+    def resend_mismatches(self, engine, version: int) -> tuple[PushResult, int]:
+        """Compare trainer and engine fingerprints of every HF tensor and resend the
+        mismatching ones in full: (result, number of mismatching tensors)."""
+        w = self.weights
+        bad, failed = self.mismatches(engine)
+        if bad is None:
             return PushResult(failed=failed or "fingerprint check failed"), 0
-        if not bad[0]:
+        if not bad:
             return PushResult(), 0
         if w.rank == 0:
-            print(f"weight sync: fingerprint mismatch in {len(bad[0])} tensors "
-                  f"({bad[0][:3]}...); resending them in full", flush=True)
-        names = sorted({w.hf_source[h] for h in bad[0]})
-        return self.push(engine, version, names=names), len(bad[0])
+            print(f"weight sync: fingerprint mismatch in {len(bad)} tensors "
+                  f"({bad[:3]}...); resending them in full", flush=True)
+        names = sorted({w.hf_source[h] for h in bad})
+        return self.push(engine, version, names=names), len(bad)
 
 
 class SparseDeltaPush:

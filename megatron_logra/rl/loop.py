@@ -387,6 +387,10 @@ def _loop(run: RLRun, log: MetricsLog) -> RunResult:
                       engine_restarts=run.sync.restarts, peak_mem_bytes=peak_memory_bytes(),
                       step_time_s=time.perf_counter() - t0)
         last = update + 1 == t.train_iters
+        if last:  # the engine ends the run holding the trainer's weights (when it can tell)
+            mismatches = run.weights.engine_mismatches(run.engine)
+            if mismatches is not None:
+                record["engine_weight_mismatches"] = mismatches
         if last or (rl.eval_interval and (update + 1) % rl.eval_interval == 0):
             record.update(run.evaluate())
         result.records.append(record)
