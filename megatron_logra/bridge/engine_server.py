@@ -28,13 +28,15 @@ from megatron_logra.bridge.protocol import (IN_FLIGHT, LIVE_WEIGHTS_ENV, WORKER_
                                             PushRefused, Reply, SampleRequest, WorkerRPC,
                                             call_workers)
 from megatron_logra.runtime.faults import engine_fault
+from megatron_logra.runtime.processes import die_with_parent
 
 
 def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
     """The engine process: build vLLM, then answer (command, payload) messages.
     ``engine_start``: how many engines the trainer has started, this one included
     (``runtime.faults`` injects its k-th engine fault into the k-th engine)."""
-    _exit_with_the_trainer()
+    die_with_parent()  # a killed trainer rank leaves no engine behind (vLLM's TP workers
+    # follow this process through their death pipe)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
     if cfg.delta_sync:
@@ -116,21 +118,6 @@ def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
         except Exception as exc:  # noqa: BLE001 - the engine is dead after an RPC failure
             conn.send((Reply.ERROR, f"{command}: {type(exc).__name__}: {exc}"))
             return
-
-
-def _exit_with_the_trainer() -> None:
-    """Linux: have the kernel kill this process when the trainer rank that started it dies
-    (``PR_SET_PDEATHSIG``), so a killed trainer leaves no engine behind; vLLM's TP workers
-    exit when this process does (their death pipe)."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the pipe's EOF ends the engine instead
-        return
-    if os.getppid() == 1:  # the trainer died before the call above
-        os._exit(1)
 
 
 # the fault (``runtime.faults``) injected after a command was carried out, before its reply

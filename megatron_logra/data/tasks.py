@@ -15,6 +15,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 
+from megatron_logra.runtime.processes import die_with_parent
 from megatron_logra.runtime.sandbox import (SandboxLimits, TimeLimitExceeded, enter_sandbox,
                                              time_limit)
 
@@ -113,6 +114,7 @@ def sandboxed_entries(name: str, count: int, seed: int, scratch: str, limits: Sa
                       item_timeout_s: float) -> tuple[list[dict], list[str]]:
     """(entries, why each dropped item was dropped) of reasoning-gym task ``name``, made
     in this process after ``enter_sandbox``; entries keep their order."""
+    die_with_parent()
     enter_sandbox(scratch, limits)
     import reasoning_gym
 

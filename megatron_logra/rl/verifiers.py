@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_logra.data.tasks import MATH, TaskItem
+from megatron_logra.runtime.processes import die_with_parent
 from megatron_logra.runtime.sandbox import SandboxLimits, enter_sandbox
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -63,6 +64,7 @@ def _serve(conn, score_fn, scratch: str, limits: SandboxLimits) -> None:
     It runs sandboxed (``runtime.sandbox``), its output goes to ``scratch``/output.log
     (a flood of it fails that answer once the file reaches ``limits.file_mb``), and a
     score must be a finite number."""
+    die_with_parent()
     log = os.open(os.path.join(scratch, OUTPUT_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
