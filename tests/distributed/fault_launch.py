@@ -31,6 +31,7 @@ class Launch:
     log: str
     orphans: list[str] = field(default_factory=list)  # command lines
     leaked_shm: list[str] = field(default_factory=list)
+    seconds: float = 0.0  # the job's wall time
 
 
 def _session_members(sid: int) -> dict[int, str]:
@@ -56,6 +57,7 @@ def launch(tmp: Path, name: str, argv: list[str], *, fault: str | None = None,
            str(nproc), "--max-restarts", "1", str(REPO / "launch" / "pretrain_rl.py"), *argv]
     shm_before = set(os.listdir(SHM)) if SHM.is_dir() else set()
     log_path = tmp / f"{name}.log"  # kept for a failure's diagnosis
+    t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
@@ -64,6 +66,7 @@ def launch(tmp: Path, name: str, argv: list[str], *, fault: str | None = None,
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise
+    seconds = time.perf_counter() - t0
     left = {}
     for _ in range(20):  # a helper finishing its own shutdown gets a few seconds
         left = _session_members(proc.pid)
@@ -77,7 +80,7 @@ def launch(tmp: Path, name: str, argv: list[str], *, fault: str | None = None,
             pass
     shm_after = set(os.listdir(SHM)) if SHM.is_dir() else set()
     return Launch(returncode, log_path.read_text(), sorted(left.values()),
-                  sorted(shm_after - shm_before))
+                  sorted(shm_after - shm_before), seconds)
 
 
 def ok(run: Launch) -> str:

@@ -1,9 +1,11 @@
 """The RL loop's weight sync and engine restart, in real torchrun launches with real vLLM.
 
 Each launch runs ``rl_worker.py``: start-up push, two RL updates (full push after each,
-each scaled by predicted-KL control but in the PPO layout; the advantages as the algorithm computed them are
-recorded, then replaced by +-1 so that the untrained model's weights move),
-then the engine is killed and the next rollout must restart and resync it. At every
+each scaled by predicted-KL control but in the PPO layout; the advantages as the
+algorithm computed them are recorded, then replaced by +-1 so that the untrained model's
+weights move), then in two layouts (a full resync, and base + adapter) the engine is
+killed and the next rollout must restart and resync it (engine deaths in the middle of
+rollouts and pushes: ``test_rl_faults.py``). At every
 check the trainer's and the engine's logprobs on the same fixed token rows agree
 (fp32 engine; tolerance 1e-5, measured ~6e-7), and the weights did move (the check
 would see a stale engine). Layouts: trainer TP2 with dense Adam (Dr.GRPO's loss and
@@ -75,11 +77,17 @@ LAYOUTS = {
 }
 
 
+# the layouts whose engine is killed after the updates (a full resync, and a resync of
+# base + adapter); engine deaths at every point of an update: test_rl_faults.py
+KILLED_ENGINE = ("tp2_adam", "pp2_lora_adapter")
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def launched(request, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp(request.param)
     out = tmp / "result.json"
-    env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1",
+               RL_WORKER_KILL_ENGINE=str(int(request.param in KILLED_ENGINE)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", str(WORKER), str(out), *BASE, *LAYOUTS[request.param],
            "--output-dir", str(tmp / "run")]
@@ -88,16 +96,22 @@ def launched(request, tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
-def test_engine_logprobs_match_the_trainer_after_every_sync(launched):
+def _killed(request) -> bool:
+    return request.node.callspec.params["launched"] in KILLED_ENGINE
+
+
+def test_engine_logprobs_match_the_trainer_after_every_sync(launched, request):
     for label, diff in launched["diffs"].items():
         assert diff <= TOLERANCE, (label, diff)
-    assert set(launched["diffs"]) == {"start", "after_2_updates", "after_restart"}
+    assert set(launched["diffs"]) == {"start", "after_2_updates"} | (
+        {"after_restart"} if _killed(request) else set())
 
 
-def test_updates_reach_the_engine_with_their_version(launched):
+def test_updates_reach_the_engine_with_their_version(launched, request):
     # the weights changed: a stale engine would fail the 1e-5 check above
     assert launched["moved"] > 100 * TOLERANCE
-    assert launched["versions"] == [[0, 0], [2, 2], [2, 2]]  # [trainer, engine] per check
+    # [trainer, engine] per check
+    assert launched["versions"] == [[0, 0], [2, 2]] + ([[2, 2]] if _killed(request) else [])
     for record in launched["records"]:
         assert record["update_successful"] and record["tokens"] > 0
 
@@ -115,7 +129,9 @@ def test_reinforce_advantages_follow_the_running_baseline(launched, request):
         assert record["baseline"] == pytest.approx(baseline)
 
 
-def test_a_dead_engine_is_restarted_and_resynced(launched):
+def test_a_dead_engine_is_restarted_and_resynced(launched, request):
+    if not _killed(request):
+        pytest.skip("the engine of this layout is not killed")
     assert launched["restarts"] == 1
 
 

@@ -1,0 +1,205 @@
+"""Faults injected into short real RL jobs, and what each cost: the reliability table.
+
+    .venv/bin/python benchmarks/faults.py [--only CASE,...] [--out DIR]
+
+Every case is one torchrun job (DP2 on gloo, the tiny model, a real vLLM engine, with
+the RL settings of ``tests/distributed/test_rl_faults.py``: LoGRA, sketch-delta sync,
+bf16, predicted-KL control, 4 updates, a checkpoint every 2) under ``--max-restarts 1``,
+meeting one fault (``runtime.faults``, or a checkpoint damaged before the job starts),
+run in its own session (``tests/distributed/fault_launch.py``). An uninterrupted job is
+the reference. Per case:
+
+- ``completed``: the job exited 0 with its final checkpoint;
+- ``updates_lost``: updates done and then thrown away (done before the crash, after the
+  checkpoint the job resumed from); the target is at most the checkpoint interval;
+- ``checkpoints_refused``: checkpoints auto-resume passed over as damaged;
+- ``saves_dropped``: saves that failed cleanly (the previous checkpoint kept selected);
+- ``mismatches``: updates whose metrics differ from the reference's, plus 1 if the
+  final weights differ, plus the engine's tensors that differ from the trainer's at the
+  end (fingerprints); the target is 0;
+- ``orphans`` and ``leaked_shm``: processes and /dev/shm entries left once the job ended;
+- ``engine_restarts``, ``job_restarts`` and the job's wall time.
+
+Last stdout line: the JSON (also written to benchmarks/results/faults.json, and the
+table to faults.md). CPU figures, from this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests" / "distributed"))
+from _results import save  # noqa: E402
+from fault_launch import Launch, checkpoint_model, launch, records  # noqa: E402
+from test_rl_faults import RL, UNCOMPARED  # noqa: E402
+
+SAVE_INTERVAL = 2
+# case -> (MEGATRON_LOGRA_FAULT, what it does)
+INJECTED = {
+    "rank0-dies-mid-rollout": ("rollout@3", "trainer rank 0 dies as update 3's rollouts start"),
+    "rank1-dies-mid-backward": ("backward@3:1", "trainer rank 1 dies in update 3's backward"),
+    "rank1-dies-mid-optimizer": ("optimizer@3:1", "trainer rank 1 dies in update 3's "
+                                 "optimizer step"),
+    "rank0-dies-mid-sync": ("sync@3", "trainer rank 0 dies as update 3's weight push starts"),
+    "rank0-dies-mid-save": ("save@4", "trainer rank 0 dies writing the final checkpoint"),
+    "disk-full-on-save": ("save-enospc@2", "the disk fills up during update 2's save"),
+    "engine-dies-mid-rollout": ("engine-generate@2", "the engine dies in update 2's rollouts"),
+    "engine-dies-mid-delta-push": ("engine-delta-push@2", "the engine dies in update 2's "
+                                   "sketch-delta push (applied, not committed)"),
+    "engine-dies-mid-full-push": ("engine-full-push@3", "the engine dies in update 3's full "
+                                  "(anchor) push, half its buckets loaded"),
+}
+# case -> (how the newest checkpoint of a finished reference job is damaged, description)
+DAMAGED = {
+    "truncated-shard": ("truncate", "a shard of the newest checkpoint is truncated"),
+    "missing-shard": ("delete", "a shard of the newest checkpoint is missing"),
+    "corrupt-metadata": ("corrupt", "the newest checkpoint's metadata file is corrupt"),
+}
+
+
+def _argv(run: Path, *extra: str) -> list[str]:
+    return [*RL, "--output-dir", str(run), "--save", str(run / "ckpt"), *extra]
+
+
+def _damage(ckpt: Path, how: str) -> str:
+    """Damage ``ckpt`` (a checkpoint folder) as ``how`` says; returns the file's name."""
+    if how == "corrupt":
+        meta = ckpt / "megatron_logra.json"
+        meta.write_text(meta.read_text()[:-20] + "#garbage")
+        return meta.name
+    shard = sorted(ckpt.glob("*.distcp"))[0]
+    if how == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    else:
+        shard.unlink()
+    return shard.name
+
+
+def _compared(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in UNCOMPARED and not k.endswith("_s")}
+
+
+def _updates_lost(log: str, finished_before: int) -> int:
+    """Updates completed and thrown away: done before the resume, past its checkpoint."""
+    resumed = re.search(r"resumed from \S+ at step (\d+)", log)
+    if resumed is None:
+        return 0
+    head = log[: resumed.start()]
+    done = [int(n) for n in re.findall(r"^step (\d+)/\d+ \|", head, re.M)]
+    return max(done + [finished_before]) - int(resumed.group(1))
+
+
+def _measure(name: str, job: Launch, run: Path, reference: Path,
+             finished_before: int = 0) -> dict:
+    final = run / "ckpt" / "iter_0000004"
+    out = {"case": name, "completed": job.returncode == 0 and final.is_dir(),
+           "updates_lost": _updates_lost(job.log, finished_before),
+           "checkpoints_refused": job.log.count("passing over a damaged checkpoint"),
+           "saves_dropped": len(re.findall(r"iter_\d+ not saved", job.log)),
+           "orphans": len(job.orphans), "leaked_shm": len(job.leaked_shm),
+           "job_restarts": job.log.count("resumed from"), "seconds": round(job.seconds, 1)}
+    if not out["completed"]:
+        out.update(mismatches=None, engine_restarts=None, error=job.log[-2000:])
+        return out
+    mine, theirs = records(run), records(reference)
+    by_step = {r["step"]: r for r in theirs}
+    differing = sum(_compared(r) != _compared(by_step.get(r["step"], {})) for r in mine)
+    differing += len({r["step"] for r in theirs} ^ {r["step"] for r in mine})
+    a, b = checkpoint_model(final), checkpoint_model(reference / "ckpt" / "iter_0000004")
+    weights_differ = a.keys() != b.keys() or any(not torch.equal(a[k], b[k]) for k in a)
+    out["mismatches"] = differing + int(weights_differ) + mine[-1].get(
+        "engine_weight_mismatches", 0)
+    out["engine_restarts"] = job.log.count("; restarting the engine")
+    return out
+
+
+def _table(report: dict) -> str:
+    head = ("| case | fault | completed | updates lost | checkpoints refused | saves dropped "
+            "| mismatches | engine restarts | orphans | leaked shm | wall s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n")
+    rows = "".join(
+        f"| {c['case']} | {c['what']} | {'yes' if c['completed'] else '**no**'} | "
+        f"{c['updates_lost']} | {c['checkpoints_refused']} | {c['saves_dropped']} | "
+        f"{c['mismatches']} | {c['engine_restarts']} | {c['orphans']} | {c['leaked_shm']} | "
+        f"{c['seconds']} |\n" for c in report["cases"])
+    s = report["summary"]
+    return (f"# Faults injected into short RL jobs (CPU, this machine)\n\n"
+            f"`{report['command']}`: DP2 on gloo, tiny model, real vLLM engine, LoGRA with "
+            f"sketch-delta sync, bf16, predicted-KL control, 4 updates, a checkpoint every "
+            f"{SAVE_INTERVAL}, `torchrun --max-restarts 1`. Mismatches: updates whose "
+            f"metrics differ from an uninterrupted job's, the final weights, and the "
+            f"engine's tensors against the trainer's.\n\n{head}{rows}\n"
+            f"**{s['faults_injected']} faults, {s['runs_completed']} jobs completed, at most "
+            f"{s['max_updates_lost']} updates lost (checkpoint interval {SAVE_INTERVAL}), "
+            f"{s['mismatches']} mismatches, {s['orphans']} orphans, {s['leaked_shm']} leaked "
+            f"shm entries; targets met: {s['targets_met']}.**\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="comma-separated case names")
+    parser.add_argument("--out", default=None, help="results folder (default "
+                        "benchmarks/results)")
+    args = parser.parse_args()
+    cases = list(INJECTED) + list(DAMAGED)
+    if args.only:
+        unknown = set(args.only.split(",")) - set(cases)
+        if unknown:
+            parser.error(f"unknown cases {sorted(unknown)}; choose from {', '.join(cases)}")
+        cases = [c for c in cases if c in args.only.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="faults_"))
+    results = []
+
+    print(f"[faults] reference job (logs in {tmp})", flush=True)
+    reference = tmp / "reference"
+    job = launch(tmp, "reference", _argv(reference))
+    if job.returncode != 0:
+        sys.exit(f"the reference job failed:\n{job.log[-3000:]}")
+    for i, name in enumerate(cases, 1):
+        run = tmp / name
+        if name in INJECTED:
+            fault, what = INJECTED[name]
+            job = launch(tmp, name, _argv(run), fault=fault)
+            got = _measure(name, job, run, reference)
+        else:
+            how, what = DAMAGED[name]
+            shutil.copytree(reference, run)
+            damaged_file = _damage(run / "ckpt" / "iter_0000004", how)
+            what = f"{what} ({damaged_file})"
+            job = launch(tmp, name, _argv(run, "--auto-resume"))
+            got = _measure(name, job, run, reference, finished_before=4)
+        got["what"] = what
+        results.append(got)
+        print(f"[faults] {i}/{len(cases)} {name}: " + json.dumps(
+            {k: v for k, v in got.items() if k not in ("what", "error")}), flush=True)
+    done = [c for c in results if c["completed"]]
+    summary = {"faults_injected": len(results), "runs_completed": len(done),
+               "max_updates_lost": max((c["updates_lost"] for c in results), default=0),
+               "checkpoints_refused": sum(c["checkpoints_refused"] for c in results),
+               "mismatches": sum(c["mismatches"] or 0 for c in done),
+               "orphans": sum(c["orphans"] for c in results),
+               "leaked_shm": sum(c["leaked_shm"] for c in results)}
+    summary["targets_met"] = (len(done) == len(results)
+                              and summary["max_updates_lost"] <= SAVE_INTERVAL
+                              and summary["mismatches"] == summary["orphans"]
+                              == summary["leaked_shm"] == 0)
+    report = {"command": "benchmarks/faults.py" + (f" --only {args.only}" if args.only else ""),
+              "cases": results, "summary": summary,
+              "torch": torch.__version__, "device": "cpu"}
+    print(f"[faults] table: {save('faults', report, _table(report), args.out)}", flush=True)
+    print(json.dumps(report))
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
