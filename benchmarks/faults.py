@@ -18,7 +18,8 @@ the reference. Per case:
   final weights differ, plus the engine's tensors that differ from the trainer's at the
   end (fingerprints); the target is 0;
 - ``orphans`` and ``leaked_shm``: processes and /dev/shm entries left once the job ended;
-- ``engine_restarts``, ``job_restarts`` and the job's wall time.
+- ``engine_restarts``, ``resumes`` (from a checkpoint, after torchrun restarted the job
+  or by ``--auto-resume``) and the job's wall time.
 
 Last stdout line: the JSON (also written to benchmarks/results/faults.json, and the
 table to faults.md). CPU figures, from this machine.
@@ -57,7 +58,7 @@ INJECTED = {
     "engine-dies-mid-delta-push": ("engine-delta-push@2", "the engine dies in update 2's "
                                    "sketch-delta push (applied, not committed)"),
     "engine-dies-mid-full-push": ("engine-full-push@3", "the engine dies in update 3's full "
-                                  "(anchor) push, half its buckets loaded"),
+                                  "(anchor) push, its first bucket loaded, not committed"),
 }
 # case -> (how the newest checkpoint of a finished reference job is damaged, description)
 DAMAGED = {
@@ -107,7 +108,7 @@ def _measure(name: str, job: Launch, run: Path, reference: Path,
            "checkpoints_refused": job.log.count("passing over a damaged checkpoint"),
            "saves_dropped": len(re.findall(r"iter_\d+ not saved", job.log)),
            "orphans": len(job.orphans), "leaked_shm": len(job.leaked_shm),
-           "job_restarts": job.log.count("resumed from"), "seconds": round(job.seconds, 1)}
+           "resumes": job.log.count("resumed from"), "seconds": round(job.seconds, 1)}
     if not out["completed"]:
         out.update(mismatches=None, engine_restarts=None, error=job.log[-2000:])
         return out
@@ -125,12 +126,13 @@ def _measure(name: str, job: Launch, run: Path, reference: Path,
 
 def _table(report: dict) -> str:
     head = ("| case | fault | completed | updates lost | checkpoints refused | saves dropped "
-            "| mismatches | engine restarts | orphans | leaked shm | wall s |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| mismatches | resumes | engine restarts | orphans | leaked shm | wall s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     rows = "".join(
         f"| {c['case']} | {c['what']} | {'yes' if c['completed'] else '**no**'} | "
         f"{c['updates_lost']} | {c['checkpoints_refused']} | {c['saves_dropped']} | "
-        f"{c['mismatches']} | {c['engine_restarts']} | {c['orphans']} | {c['leaked_shm']} | "
+        f"{c['mismatches']} | {c['resumes']} | {c['engine_restarts']} | {c['orphans']} | "
+        f"{c['leaked_shm']} | "
         f"{c['seconds']} |\n" for c in report["cases"])
     s = report["summary"]
     return (f"# Faults injected into short RL jobs (CPU, this machine)\n\n"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import numbers
 import os
 import re
 import shutil
@@ -83,7 +84,7 @@ OUTPUT_LOG = "output.log"
 
 
 def _finite_score(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
             or not math.isfinite(value):
         raise TypeError(f"the scorer returned {value!r:.80}, not a finite number")
     return float(value)

@@ -18,7 +18,7 @@ recovers and the next planned engine fault can still happen:
 
 - ``engine-generate``: during update UPDATE's rollouts, once the first sample is done;
 - ``engine-full-push``: during the full push of UPDATE's weights, after the first bucket
-  was loaded into vLLM (the engine holds a half-new model);
+  was loaded into vLLM, before the commit;
 - ``engine-delta-push``: during the delta push of UPDATE's weights, after the workers
   applied it and before it was committed.
 """

@@ -6,8 +6,8 @@ uninterrupted job ends:
 1. the engine dies in the middle of update 1's rollouts (after its first sample);
 2. the next engine dies in the middle of update 2's sketch-delta push (the workers
    applied it, nothing was committed);
-3. the next one dies in the middle of update 3's full push (an anchor push: half of the
-   buckets loaded);
+3. the next one dies in the middle of update 3's full push (an anchor push: its first
+   bucket loaded, nothing committed);
 4. trainer rank 1 dies in update 4's optimizer step; torchrun restarts the job, which
    resumes from the update-2 checkpoint on its own and redoes updates 3 and 4.
 Every metric of every update (rewards, losses, the KL controller's alpha, the logprob
