@@ -1,7 +1,8 @@
 """Fault-test launches: a torchrun job in its own session, and what it left behind.
 
 ``launch(...)`` runs ``torchrun --max-restarts 1 launch/pretrain_rl.py`` with a planned
-fault (``runtime.faults``) in a new session, so that every process the job started, at
+fault (``runtime.faults``) in a new session (``launch_nodes``: as several torchrun
+"nodes" on this host, through the c10d rendezvous), so that every process the job started, at
 any depth, carries the job's session id. Once torchrun has exited, a process still in
 that session is an orphan (a rollout engine, a scoring process, a checkpoint-writer
 queue server of a killed rank...), and a /dev/shm entry that appeared during the run
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,27 +51,49 @@ def _session_members(sid: int) -> dict[int, str]:
 
 def launch(tmp: Path, name: str, argv: list[str], *, fault: str | None = None,
            nproc: int = 2, timeout: int = 600) -> Launch:
+    """One single-node job: ``torchrun --standalone --nproc-per-node nproc``."""
+    return launch_nodes(tmp, name, argv, fault=fault, nproc=nproc, timeout=timeout)
+
+
+def launch_nodes(tmp: Path, name: str, argv: list[str], *, nodes: int = 1,
+                 fault: str | None = None, nproc: int = 2, timeout: int = 600) -> Launch:
+    """One job of ``nodes`` torchrun agents on this host (``nodes`` > 1: each a "node" of
+    ``nproc`` processes, meeting through the c10d rendezvous at a free local port, as
+    the agents of a multi-node job do); their logs are joined, node 0's first."""
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.pop("MEGATRON_LOGRA_FAULT", None)
     if fault:
         env["MEGATRON_LOGRA_FAULT"] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), "--max-restarts", "1", str(REPO / "launch" / "pretrain_rl.py"), *argv]
+    if nodes == 1:
+        where = [["--standalone"]]
+    else:
+        port = _free_port()
+        where = [["--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", name]
+                 for node in range(nodes)]
     shm_before = set(os.listdir(SHM)) if SHM.is_dir() else set()
-    log_path = tmp / f"{name}.log"  # kept for a failure's diagnosis
+    logs = [tmp / f"{name}.log" if nodes == 1 else tmp / f"{name}.node{node}.log"
+            for node in range(nodes)]  # kept for a failure's diagnosis
     t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+    procs = []
+    for flags, log_path in zip(where, logs):
+        cmd = [sys.executable, "-m", "torch.distributed.run", *flags, "--nproc-per-node",
+               str(nproc), "--max-restarts", "1", str(REPO / "launch" / "pretrain_rl.py"),
+               *argv]
+        with open(log_path, "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+    try:
+        returncode = max(abs(proc.wait(timeout)) for proc in procs)
+    except subprocess.TimeoutExpired:
+        for proc in procs:
             os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        raise
     seconds = time.perf_counter() - t0
     left = {}
     for _ in range(20):  # a helper finishing its own shutdown gets a few seconds
-        left = _session_members(proc.pid)
+        left = {pid: cmd for proc in procs for pid, cmd in _session_members(proc.pid).items()}
         if not left:
             break
         time.sleep(0.5)
@@ -79,8 +103,14 @@ def launch(tmp: Path, name: str, argv: list[str], *, fault: str | None = None,
         except ProcessLookupError:
             pass
     shm_after = set(os.listdir(SHM)) if SHM.is_dir() else set()
-    return Launch(returncode, log_path.read_text(), sorted(left.values()),
-                  sorted(shm_after - shm_before), seconds)
+    return Launch(returncode, "".join(path.read_text() for path in logs),
+                  sorted(left.values()), sorted(shm_after - shm_before), seconds)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def ok(run: Launch) -> str:

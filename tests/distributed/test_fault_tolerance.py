@@ -8,7 +8,8 @@ truncated shard is passed over by auto-resume (which says which file and falls b
 the previous one) and refused by an explicit --load naming the file; --save-keep keeps
 the newest checkpoints only. No job leaves a process or a /dev/shm entry behind
 (``fault_launch``): a rank that died mid-save used to leave megatron-core's
-checkpoint-writer queue server running."""
+checkpoint-writer queue server running. The same job launched as two torchrun nodes
+(one process each, the c10d rendezvous) ends as the single-node one, bit for bit."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fault_launch import Launch, checkpoint_model, launch, ok, records
+from fault_launch import Launch, checkpoint_model, launch, launch_nodes, ok, records
 
 pytestmark = pytest.mark.distributed
 
@@ -96,3 +97,18 @@ def test_a_damaged_checkpoint_is_passed_over_or_refused(runs):
     assert "passing over a damaged checkpoint" in log and shard.name in log
     assert "iter_0000004 at step 4" in log
     assert _metrics(damaged) == _metrics(tmp / "reference")
+
+
+def test_two_nodes_meeting_by_rendezvous_train_as_one(runs):
+    """The multi-node launch (docs/usage.md, Multi-node): two torchrun agents of one
+    process each, as two nodes meeting through the c10d rendezvous, run the reference job
+    (DP2) to the same metrics and final weights bit for bit."""
+    tmp, name = runs["tmp"], "two_nodes"
+    ok(launch_nodes(tmp, name, [*SFT, "--output-dir", str(tmp / name), "--save",
+                                str(tmp / name / "ckpt")], nodes=2, nproc=1, timeout=300))
+    assert _metrics(tmp / name) == _metrics(tmp / "reference")
+    mine = checkpoint_model(tmp / name / "ckpt" / "iter_0000006")
+    theirs = checkpoint_model(tmp / "reference" / "ckpt" / "iter_0000006")
+    assert mine.keys() == theirs.keys() and mine
+    for key in mine:
+        assert torch.equal(mine[key], theirs[key]), key
