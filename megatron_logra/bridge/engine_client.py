@@ -171,6 +171,15 @@ class RolloutEngine:
         """The version the engine itself reports (-1 while a push is in flight)."""
         return self._call(Command.VERSION)
 
+    # --- colocated: sleep and wake (an engine started with sleep_mode) ---------------------
+    def sleep(self) -> None:
+        """Release the weights (to host memory) and the KV cache until ``wake``."""
+        self._call(Command.SLEEP)
+
+    def wake(self, tags: list[str]) -> None:
+        """Take back ``["weights"]`` (before a push) or ``["kv_cache"]`` (before generating)."""
+        self._call(Command.WAKE, tags)
+
     # --- life cycle ------------------------------------------------------------------------
     def restart(self) -> None:
         """Kill the engine process and start a fresh one (version 0: push again)."""

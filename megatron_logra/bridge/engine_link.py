@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron_logra.bridge.engine_client import RolloutEngine
 from megatron_logra.bridge.protocol import Completion, EngineConfig, EngineError, SampleRequest
 from megatron_logra.bridge.sync import SyncStats, WeightSync
+from megatron_logra.runtime.device import release_cached_memory
 from megatron_logra.runtime.progress import Progress
 
 TRIES = 3
@@ -38,12 +39,16 @@ def speed_note(vllm_postfix: str) -> str:
 
 
 class EngineLink:
-    def __init__(self, sync: WeightSync, engine_cfg: EngineConfig | None):
+    def __init__(self, sync: WeightSync, engine_cfg: EngineConfig | None,
+                 sleep_mode: bool = False):
         """``engine_cfg``: rank 0's engine settings (None on every other rank); its
-        ``model_dir`` holds config and tokenizer, the first push adds the weights."""
-        self.sync, self.engine_cfg = sync, engine_cfg
+        ``model_dir`` holds config and tokenizer, the first push adds the weights.
+        ``sleep_mode`` (every rank): the engine is colocated and takes turns
+        (``release``; pushes and generation wake it)."""
+        self.sync, self.engine_cfg, self.sleep_mode = sync, engine_cfg, sleep_mode
         self.rank = dist.get_rank()
         self.engine: RolloutEngine | None = None  # rank 0, once the first push wrote its weights
+        self.asleep: set[str] = set()  # rank 0, colocated: what the engine has released
 
     @property
     def stats(self) -> SyncStats:
@@ -52,6 +57,7 @@ class EngineLink:
     def push(self, version: int, transport: str | None = None) -> None:
         """Push the trainer's weights as ``version``; restart the engine and retry on
         failure. ``transport`` forces one (tests, benchmarks)."""
+        self._wake(["weights"])
         for _ in range(TRIES):
             t0 = time.perf_counter()
             failed, sent = self._push_once(version, transport)
@@ -91,7 +97,37 @@ class EngineLink:
               f"TP{cfg.tensor_parallel_size})", flush=True)
         return "", result.sent
 
+    # --- colocated (an engine started with sleep_mode) -------------------------------------
+    def release(self) -> None:
+        """The trainer's turn: a colocated engine releases its weights and KV cache (rank 0;
+        nothing for other placements). A failure restarts it (the next push resyncs)."""
+        if self.rank != 0 or self.engine is None or not self.sleep_mode:
+            return
+        try:
+            self.engine.sleep()
+            self.asleep = {"weights", "kv_cache"}
+        except EngineError as exc:
+            print(f"engine sleep failed ({exc}); restarting the engine", flush=True)
+            self._restart()
+
+    def _wake(self, tags: list[str]) -> None:
+        """Every rank frees its cached device memory, then rank 0's engine takes back
+        ``tags`` (released by ``release``); a failure restarts it (awake)."""
+        if not self.sleep_mode:
+            return
+        release_cached_memory()
+        wanted = [t for t in tags if t in self.asleep]
+        if self.rank != 0 or not wanted:
+            return
+        try:
+            self.engine.wake(wanted)
+            self.asleep -= set(wanted)
+        except EngineError as exc:
+            print(f"engine wake-up failed ({exc}); restarting the engine", flush=True)
+            self._restart()
+
     def _restart(self) -> None:
+        self.asleep = set()  # a fresh engine starts awake
         if self.engine is None:  # it never started: the next push starts it
             return
         self.stats.restarts += 1
@@ -105,6 +141,7 @@ class EngineLink:
                  phase: str = "rollouts") -> list[Completion] | None:
         """Completions of ``requests`` (rank 0), restarting and resyncing the engine if needed;
         a progress line ``[phase]`` shows samples done and vLLM's tokens/s."""
+        self._wake(["weights", "kv_cache"])
         for _ in range(TRIES):
             done, status = None, ""
             if self.rank == 0:

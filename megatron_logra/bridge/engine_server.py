@@ -37,6 +37,9 @@ def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
     (``runtime.faults`` injects its k-th engine fault into the k-th engine)."""
     die_with_parent()  # a killed trainer rank leaves no engine behind (vLLM's TP workers
     # follow this process through their death pipe)
+    os.environ.update(dict(cfg.env))  # its placement (``bridge.placement``), before vLLM
+    if cfg.cpu_cores:  # dedicated cores: trainer rank 0's affinity excludes them
+        os.sched_setaffinity(0, cfg.cpu_cores)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
     if cfg.delta_sync:
@@ -62,6 +65,7 @@ def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
                   max_num_batched_tokens=cfg.max_model_len * cfg.max_num_seqs,
                   kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30),
                   logprobs_mode="processed_logprobs", **lora_options(cfg.lora_rank),
+                  **({"enable_sleep_mode": True} if cfg.sleep_mode else {}),
                   worker_extension_cls=WORKER_EXTENSION)
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         conn.send((Reply.ERROR, f"vLLM failed to start: {type(exc).__name__}: {exc}"))
@@ -87,6 +91,9 @@ def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
                 Command.PROMPT_LOGPROBS: partial(_prompt_logprobs, adapter)}
     if adapter is not None:
         handlers[Command.LORA_ADAPTER] = adapter.load
+    if cfg.sleep_mode:
+        handlers.update({Command.SLEEP: lambda llm, _: llm.sleep(level=1),
+                         Command.WAKE: lambda llm, tags: llm.wake_up(tags=tags)})
     if receiver is not None:
         handlers.update({Command.SKETCH_DELTA: receiver.sketch_delta,
                          Command.SPARSE_DELTA: receiver.sparse_delta,

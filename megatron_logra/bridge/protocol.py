@@ -58,6 +58,8 @@ class Command(StrEnum):
     FINGERPRINTS = "fingerprints"
     WEIGHTS = "weights"  # read the live weights back (tests)
     LORA_ADAPTER = "lora_adapter"  # a LoRA adapter in PEFT's format, served from now on
+    SLEEP = "sleep"  # sleep mode (colocated): release weights (to host) and KV cache
+    WAKE = "wake"  # take back the given parts: ["weights"], ["kv_cache"]
     SHUTDOWN = "shutdown"
 
 
@@ -111,6 +113,9 @@ class EngineConfig:
     # plain weights and use F.linear instead of vLLM's packed oneDNN kernels)
     delta_sync: bool = False
     lora_rank: int = 0  # > 0: vLLM serves the base plus a LoRA adapter of this rank
+    env: tuple[tuple[str, str], ...] = ()  # set in the engine process first (placement)
+    cpu_cores: tuple[int, ...] = ()  # CPU, dedicated: the only cores the engine runs on
+    sleep_mode: bool = False  # CUDA, colocated: release weights and KV cache between turns
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 1800.0
 

@@ -102,6 +102,13 @@ class RLConfig:
     """vLLM weights dtype (float32: trainer/engine logprobs agree to ~1e-6)."""
     rollout_kv_cache_gib: float = 1.0
     """vLLM KV cache size."""
+    rollout_placement: Literal["inherit", "dedicated", "colocated"] = "inherit"
+    """Where the engine runs (``bridge.placement``): on trainer rank 0's devices (inherit),
+    on devices of its own (dedicated: --rollout-devices), or sharing the trainer's and
+    taking turns with it (colocated: vLLM's sleep mode on CUDA)."""
+    rollout_devices: str = ""
+    """--rollout-placement dedicated: node 0's GPUs (visible indices, one per engine TP
+    rank, e.g. 6,7) or on CPU its cores (e.g. 6-7) for the engine alone."""
     sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     kl: KLControlConfig = field(default_factory=KLControlConfig)
 

@@ -26,6 +26,7 @@ functions of it), so a resumed run continues where it stopped.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_logra.bridge.engine_link import EngineLink
+from megatron_logra.bridge.placement import EnginePlacement, plan_placement
 from megatron_logra.bridge.protocol import EngineConfig
 from megatron_logra.bridge.sync import WeightSync
 from megatron_logra.config import RunConfig
@@ -49,7 +51,8 @@ from megatron_logra.rl.policy_loss import (REPORT_KEYS, RolloutSample, collate_r
                                            logprobs_report, policy_gradient_loss)
 from megatron_logra.data.tasks import generate_items
 from megatron_logra.rl.verifiers import Verifier, VerifierConfig
-from megatron_logra.runtime.device import peak_memory_bytes, synchronize
+from megatron_logra.runtime.device import (current_device, node_devices, peak_memory_bytes,
+                                           synchronize)
 from megatron_logra.runtime.faults import maybe_fail
 from megatron_logra.training import checkpointing
 from megatron_logra.training.log_sinks import open_metrics_log
@@ -93,12 +96,41 @@ class RLRun:
             self.baseline.load_state_dict(extra["rl"]["baseline"])
             if self.kl_step is not None and "kl" in extra["rl"]:
                 self.kl_step.controller.load_state_dict(extra["rl"]["kl"])
+        self.placement = self._place_engine()
         self.driver = self._start_driver_everywhere()
-        self.link = EngineLink(self.weights, self.driver.engine_cfg if self.driver else None)
+        self.link = EngineLink(self.weights, self.driver.engine_cfg if self.driver else None,
+                               sleep_mode=self.placement.sleep_mode)
         self.version = self.prep.start_step
         self.push_weights()  # the engine starts from the trainer's weights
 
     # --- rank 0: engine, verifier, prompts -------------------------------------------------
+    def _place_engine(self) -> EnginePlacement:
+        """Rank 0 plans where the engine runs on its node (``bridge.placement``; a refusal
+        is raised on every rank), and node 0's trainer ranks keep off a dedicated
+        engine's CPU cores."""
+        rl, out = self.cfg.rl, [None, ""]
+        if self.rank == 0:
+            try:
+                out[0] = plan_placement(
+                    rl.rollout_placement, rl.rollout_devices,
+                    engine_tp=rl.rollout_tensor_parallel_size,
+                    cuda=current_device().type == "cuda", node_devices=node_devices(),
+                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                    visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+            except ValueError as exc:
+                out[1] = str(exc)
+        dist.broadcast_object_list(out, src=0)
+        if out[1]:
+            raise ValueError(out[1])
+        placement = out[0]
+        if placement.trainer_cores and os.environ.get("GROUP_RANK", "0") == "0":
+            os.sched_setaffinity(0, placement.trainer_cores)
+        if self.rank == 0 and (placement.note or placement.devices):
+            kind = "cores" if placement.trainer_cores else "GPUs"
+            print(placement.note or f"rollout engine on {kind} {list(placement.devices)} of "
+                  f"node 0, dedicated", flush=True)
+        return placement
+
     def _start_driver_everywhere(self) -> _Driver | None:
         """Rank 0 builds the driver; a failure there (bad task data, no prompts fit) is
         raised on every rank, so no rank waits in a collective for a rank that died."""
@@ -128,7 +160,9 @@ class RLRun:
             dtype=rl.rollout_dtype, kv_cache_gib=rl.rollout_kv_cache_gib,
             tensor_parallel_size=rl.rollout_tensor_parallel_size, seed=rl.rollout_seed,
             delta_sync=self.weights.needs_in_place_engine,
-            lora_rank=self.weights.engine_lora_rank)
+            lora_rank=self.weights.engine_lora_rank, env=tuple(self.placement.env.items()),
+            cpu_cores=self.placement.devices if self.placement.trainer_cores else (),
+            sleep_mode=self.placement.sleep_mode)
         print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",
               flush=True)
         verifier = Verifier(VerifierConfig(reward=rl.reward, timeout_s=rl.verifier_timeout_s))
@@ -374,6 +408,7 @@ def _loop(run: RLRun, log: MetricsLog) -> RunResult:
         t0 = time.perf_counter()
         maybe_fail("rollout", update + 1)
         samples, record = run.rollout_batch(update)
+        run.link.release()  # a colocated engine gives the devices to the trainer
         record.update(run.train(samples, update))
         skipped.record(record["update_successful"], update + 1, announce=run.rank == 0)
         run.version = update + 1

@@ -137,3 +137,18 @@ def peak_memory_bytes() -> int:
 def synchronize() -> None:
     if current_device().type == "cuda":
         torch.cuda.synchronize()
+
+
+def release_cached_memory() -> None:
+    """Hand the allocator's cached, unused blocks back to the device (CUDA; nothing on
+    CPU): a colocated rollout engine is about to take its turn on the same GPU."""
+    if current_device().type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def node_devices() -> list[int]:
+    """What this node can give a dedicated rollout engine: its visible GPUs (indices)
+    on CUDA, the cores this process may run on on CPU."""
+    if current_device().type == "cuda":
+        return list(range(torch.cuda.device_count()))
+    return sorted(os.sched_getaffinity(0))

@@ -82,6 +82,11 @@ def main() -> None:
         run.rollout_batch(2)  # the dead engine is restarted and resynced before it generates
         check("after_restart")
     result["restarts"] = run.sync.restarts
+    cores = [None] * dist.get_world_size()  # each trainer rank's CPU affinity
+    dist.all_gather_object(cores, sorted(os.sched_getaffinity(0)))
+    result["trainer_cores"] = cores
+    if dist.get_rank() == 0:
+        result["engine_cores"] = sorted(os.sched_getaffinity(run.engine._proc.pid))
     result["optimizer_steps"] = getattr(run.objs.optimizer, "steps", None)
     run.close()
     if dist.get_rank() == 0:

@@ -15,7 +15,7 @@ with LoRA adapters (full pushes of the merged weights; predicted-KL control step
 adapters); TP2 and PP2 with LoRA and adapter-only sync (the engine serves the base plus
 the adapter through vLLM's LoRA support; only the adapter moves after start-up); DP2 with
 LoGRA taking 2 PPO epochs x 2 minibatches per update (clip-higher, GSPO's aggregation,
-dynamic sampling).
+dynamic sampling), its engine on a CPU core of its own (--rollout-placement dedicated).
 """
 
 from __future__ import annotations
@@ -73,8 +73,10 @@ LAYOUTS = {
                       "2e-2", "--ppo-epochs", "2", "--ppo-minibatches", "2",
                       "--clip-ratio-low", "0.2", "--clip-ratio-high", "0.28",
                       "--loss-agg-mode", "seq-mean-token-mean", "--dynamic-sampling",
-                      "--dynamic-sampling-max-rounds", "2"],
+                      "--dynamic-sampling-max-rounds", "2", "--rollout-placement", "dedicated"],
 }
+# the dedicated engine's core: this machine's last (the trainer ranks get the others)
+ENGINE_CORE = max(os.sched_getaffinity(0))
 
 
 # the layouts whose engine is killed after the updates (a full resync, and a resync of
@@ -89,8 +91,8 @@ def launched(request, tmp_path_factory) -> dict:
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1",
                RL_WORKER_KILL_ENGINE=str(int(request.param in KILLED_ENGINE)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(WORKER), str(out), *BASE, *LAYOUTS[request.param],
-           "--output-dir", str(tmp / "run")]
+           "2", str(WORKER), str(out), *BASE, *_flags(request.param), "--output-dir",
+           str(tmp / "run")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
@@ -129,14 +131,31 @@ def test_reinforce_advantages_follow_the_running_baseline(launched, request):
         assert record["baseline"] == pytest.approx(baseline)
 
 
+def test_a_dedicated_engine_and_the_trainer_keep_to_their_cores(launched, request):
+    """--rollout-placement dedicated on CPU: the engine process runs on its core only, and
+    the trainer ranks (node 0's) on every other core; the other layouts share them all."""
+    everything = sorted(os.sched_getaffinity(0))
+    if "dedicated" not in _layout(request):
+        assert launched["engine_cores"] == everything
+        assert launched["trainer_cores"] == [everything] * 2
+        return
+    assert launched["engine_cores"] == [ENGINE_CORE]
+    assert launched["trainer_cores"] == [[c for c in everything if c != ENGINE_CORE]] * 2
+
+
 def test_a_dead_engine_is_restarted_and_resynced(launched, request):
     if not _killed(request):
         pytest.skip("the engine of this layout is not killed")
     assert launched["restarts"] == 1
 
 
+def _flags(layout: str) -> list[str]:
+    flags = LAYOUTS[layout]
+    return [*flags, "--rollout-devices", str(ENGINE_CORE)] if "dedicated" in flags else flags
+
+
 def _layout(request) -> list[str]:
-    return LAYOUTS[request.node.callspec.params["launched"]]
+    return _flags(request.node.callspec.params["launched"])
 
 
 def test_realized_kl_stays_within_30_percent_of_the_budget(launched, request):

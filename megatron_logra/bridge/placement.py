@@ -1,0 +1,128 @@
+"""Where the rollout engine runs (``--rollout-placement``, ``--rollout-devices``).
+
+Pure planning, no vLLM and no device calls: ``plan_placement`` turns the flags and what
+node 0 has into the engine process's environment and the trainer's share.
+
+- ``inherit`` (the default): the engine inherits trainer rank 0's devices, as it always
+  did (on a GPU node a TP-N engine lands on the node's first N visible GPUs, beside the
+  trainer's ranks).
+- ``dedicated``: the engine gets devices of its own on node 0 and the trainer's ranks
+  never use them. On CUDA, ``--rollout-devices`` are indices of node 0's visible GPUs,
+  one per engine TP rank, none of them one of the node's trainer ranks' GPUs (local rank
+  i uses visible GPU i); the engine process sees only them (``CUDA_VISIBLE_DEVICES``).
+  On CPU they are core ids: vLLM's threads are bound to them
+  (``VLLM_CPU_OMP_THREADS_BIND``, split over the engine's TP ranks) and node 0's trainer
+  ranks are kept off them (``os.sched_setaffinity``).
+- ``colocated``: engine and trainer share devices and take turns. On CUDA the engine
+  is started with vLLM's sleep mode: it releases its weights and KV cache (level 1:
+  weights to host memory) while the trainer works, and takes them back to push and
+  generate; the trainer frees its cached blocks before the engine wakes. vLLM has no
+  sleep mode on CPU: there colocated behaves as inherit (said once at start-up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PLACEMENTS = ("inherit", "dedicated", "colocated")
+
+
+@dataclass(frozen=True)
+class EnginePlacement:
+    mode: str  # inherit | dedicated | colocated
+    devices: tuple[int, ...] = ()  # the engine's GPUs (node 0's visible indices) or cores
+    env: dict[str, str] = field(default_factory=dict)  # set in the engine process
+    trainer_cores: tuple[int, ...] | None = None  # CPU dedicated: node 0's trainer cores
+    sleep_mode: bool = False  # colocated on CUDA: vLLM's sleep/wake between phases
+    note: str = ""  # said once at start-up (colocated on CPU)
+
+
+def parse_devices(spec: str) -> tuple[int, ...]:
+    """``"6,7"`` or ``"4-7"`` or ``"0,2-3"`` -> (ids...); refused when malformed."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        first, dash, last = part.partition("-")
+        try:
+            ids = range(int(first), int(last) + 1) if dash else [int(first)]
+        except ValueError:
+            raise ValueError(f"--rollout-devices {spec!r}: {part!r} is not an id or a range "
+                             f"like 6-7") from None
+        out.extend(ids)
+    if any(i < 0 for i in out) or len(set(out)) != len(out):
+        raise ValueError(f"--rollout-devices {spec!r}: ids must be distinct and >= 0")
+    return tuple(out)
+
+
+def plan_placement(mode: str, devices_spec: str, *, engine_tp: int, cuda: bool,
+                   node_devices: list[int], local_world_size: int,
+                   visible: str | None = None) -> EnginePlacement:
+    """The engine's placement on node 0, or ValueError naming the flags and the fix.
+
+    ``node_devices``: CUDA: range(visible GPU count); CPU: the cores node 0's processes
+    may run on (``os.sched_getaffinity``). ``local_world_size``: trainer ranks on node 0.
+    ``visible``: node 0's ``CUDA_VISIBLE_DEVICES`` (the engine's ids are translated
+    through it)."""
+    if mode not in PLACEMENTS:
+        raise ValueError(f"--rollout-placement {mode!r}: choose {', '.join(PLACEMENTS)}")
+    devices = parse_devices(devices_spec)
+    if mode != "dedicated":
+        if devices:
+            raise ValueError(f"--rollout-devices is for --rollout-placement dedicated (got "
+                             f"{mode})")
+        if mode == "colocated" and not cuda:
+            return EnginePlacement(mode, note="--rollout-placement colocated: vLLM has no "
+                                   "sleep mode on CPU; the engine and the trainer share the "
+                                   "cores as with inherit")
+        return EnginePlacement(mode, sleep_mode=mode == "colocated")
+    if not devices:
+        raise ValueError("--rollout-placement dedicated needs --rollout-devices (the engine's "
+                         + ("GPUs, e.g. 6,7" if cuda else "CPU cores, e.g. 6-7") + ")")
+    missing = [d for d in devices if d not in node_devices]
+    if missing:
+        raise ValueError(f"--rollout-devices {devices_spec}: {missing} do not exist on node 0 "
+                         f"({'visible GPUs' if cuda else 'usable cores'}: "
+                         f"{_ranges(node_devices)})")
+    if cuda:
+        return _dedicated_gpus(devices, engine_tp, local_world_size, visible)
+    rest = tuple(c for c in node_devices if c not in devices)
+    if not rest:
+        raise ValueError(f"--rollout-devices {devices_spec} leaves no core to the trainer "
+                         f"(usable cores: {_ranges(node_devices)})")
+    if len(devices) < engine_tp:
+        raise ValueError(f"--rollout-devices {devices_spec}: {len(devices)} cores for "
+                         f"--rollout-tensor-parallel-size {engine_tp}; give at least one "
+                         f"core per engine rank")
+    per = len(devices) // engine_tp  # each engine TP rank binds its own run of cores
+    bind = "|".join(",".join(map(str, devices[r * per:(r + 1) * per]))
+                    for r in range(engine_tp))
+    return EnginePlacement("dedicated", devices, {"VLLM_CPU_OMP_THREADS_BIND": bind},
+                           trainer_cores=rest)
+
+
+def _dedicated_gpus(devices: tuple[int, ...], engine_tp: int, local_world_size: int,
+                    visible: str | None) -> EnginePlacement:
+    if len(devices) != engine_tp:
+        raise ValueError(f"--rollout-devices {','.join(map(str, devices))}: {len(devices)} "
+                         f"GPUs for --rollout-tensor-parallel-size {engine_tp}; give one per "
+                         f"engine rank")
+    trainer = set(range(local_world_size))
+    shared = sorted(trainer.intersection(devices))
+    if shared:
+        raise ValueError(f"--rollout-devices: GPUs {shared} are used by node 0's trainer "
+                         f"ranks (local rank i uses GPU i, 0-{local_world_size - 1} here); "
+                         f"start fewer processes per node (--nproc-per-node) or give the "
+                         f"engine other GPUs")
+    physical = [p.strip() for p in visible.split(",")] if visible else None
+    ids = [physical[d] for d in devices] if physical else [str(d) for d in devices]
+    return EnginePlacement("dedicated", devices, {"CUDA_VISIBLE_DEVICES": ",".join(ids)})
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, ids = [], sorted(ids)
+    for i in ids:
+        if out and i == out[-1][1] + 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in out)

@@ -1,0 +1,86 @@
+"""Where the rollout engine runs (``bridge.placement``): each placement's plan on GPU and
+CPU nodes, and every refusal naming the flags and the fix."""
+
+import pytest
+
+from megatron_logra.bridge.placement import parse_devices, plan_placement
+from megatron_logra.cli import parse_run_config
+
+GPUS8 = list(range(8))
+
+
+def _gpu(mode: str, devices: str = "", tp: int = 2, local: int = 6, visible=None):
+    return plan_placement(mode, devices, engine_tp=tp, cuda=True, node_devices=GPUS8,
+                          local_world_size=local, visible=visible)
+
+
+def test_device_lists_and_ranges_parse():
+    assert parse_devices("6,7") == (6, 7)
+    assert parse_devices("4-7") == (4, 5, 6, 7)
+    assert parse_devices("0, 2-3") == (0, 2, 3)
+    assert parse_devices("") == ()
+    for bad, why in (("6,6", "distinct"), ("a", "not an id"), ("-1", "not an id"),
+                     ("3-x", "not an id")):
+        with pytest.raises(ValueError, match=why):
+            parse_devices(bad)
+
+
+def test_dedicated_gpus_beside_the_trainer():
+    """Trainer on GPUs 0-5 (6 local ranks), engine TP2 on 6-7: the engine process sees only
+    them, translated through node 0's own CUDA_VISIBLE_DEVICES."""
+    plan = _gpu("dedicated", "6,7")
+    assert plan.devices == (6, 7) and plan.env == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    assert plan.trainer_cores is None and not plan.sleep_mode
+    remapped = _gpu("dedicated", "6,7", visible="1,3,4,5,8,9,12,13")
+    assert remapped.env == {"CUDA_VISIBLE_DEVICES": "12,13"}
+
+
+def test_dedicated_gpus_refused_when_shared_missing_or_miscounted():
+    with pytest.raises(ValueError, match=r"GPUs \[5\] are used by node 0's trainer ranks"):
+        _gpu("dedicated", "5,6")
+    with pytest.raises(ValueError, match=r"\[8, 9\] do not exist on node 0 \(visible GPUs: "
+                                         r"0-7\)"):
+        _gpu("dedicated", "8,9")
+    with pytest.raises(ValueError, match="3 GPUs for --rollout-tensor-parallel-size 2"):
+        _gpu("dedicated", "5-7", local=5)
+    with pytest.raises(ValueError, match="needs --rollout-devices"):
+        _gpu("dedicated")
+
+
+def test_dedicated_cores_on_cpu_split_between_engine_and_trainer():
+    cores = list(range(8))
+    plan = plan_placement("dedicated", "4-7", engine_tp=2, cuda=False, node_devices=cores,
+                          local_world_size=2)
+    assert plan.devices == (4, 5, 6, 7) and plan.trainer_cores == (0, 1, 2, 3)
+    assert plan.env == {"VLLM_CPU_OMP_THREADS_BIND": "4,5|6,7"}  # a run per engine rank
+    with pytest.raises(ValueError, match="leaves no core to the trainer"):
+        plan_placement("dedicated", "0-7", engine_tp=1, cuda=False, node_devices=cores,
+                       local_world_size=2)
+    with pytest.raises(ValueError, match="1 cores for --rollout-tensor-parallel-size 2"):
+        plan_placement("dedicated", "7", engine_tp=2, cuda=False, node_devices=cores,
+                       local_world_size=2)
+
+
+def test_colocated_sleeps_on_gpus_and_says_why_not_on_cpu():
+    assert _gpu("colocated").sleep_mode
+    cpu = plan_placement("colocated", "", engine_tp=1, cuda=False, node_devices=[0, 1],
+                         local_world_size=2)
+    assert not cpu.sleep_mode and "no sleep mode on CPU" in cpu.note
+    assert plan_placement("inherit", "", engine_tp=1, cuda=False, node_devices=[0, 1],
+                          local_world_size=2) == type(cpu)("inherit")
+    with pytest.raises(ValueError, match="--rollout-devices is for --rollout-placement "
+                                         "dedicated"):
+        _gpu("colocated", "6,7")
+
+
+def test_flags_reach_the_config_and_are_checked_at_parse():
+    rl = ["--stage", "rl", "--prompts-per-step", "4", "--responses-per-prompt", "4",
+          "--micro-batch-size", "4"]
+    cfg = parse_run_config([*rl, "--rollout-placement", "dedicated", "--rollout-devices",
+                            "6,7"], world_size=1)
+    assert (cfg.rl.rollout_placement, cfg.rl.rollout_devices) == ("dedicated", "6,7")
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        parse_run_config([*rl, "--rollout-placement", "elsewhere"], world_size=1)
+    for argv in (["--rollout-placement", "dedicated"], ["--rollout-devices", "1"]):
+        with pytest.raises(ValueError, match="--rollout-devices goes with"):
+            parse_run_config([*rl, *argv], world_size=1)
