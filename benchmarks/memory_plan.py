@@ -20,6 +20,9 @@
    length (4096), microbatch 1 and activation checkpointing, for the TP/PP/DP layouts
    the trainer's CLI accepts for each method (LoGRA cannot sketch qkv when TP exceeds
    the kv heads: that layout is not listed for it).
+4. The rollout engine's share for each placement (``placements``): the engine's GPUs
+   (weights, the rollout batch's KV cache, an assumed overhead) beside the trainer's
+   on the rest of the 8 (dedicated), or on the same GPUs in turns (colocated).
 """
 
 from __future__ import annotations
@@ -373,6 +376,67 @@ def project(gpu_gibs: list[float]) -> dict:
     return out
 
 
+# The rollout engine's share (``bridge.placement``), per engine GPU. Assumed, not
+# measured: vLLM's CUDA context, workspace and sampler on an awake engine, and what a
+# sleeping one keeps (level 1: weights moved to host memory, KV cache dropped).
+ENGINE_OVERHEAD_GIB, ENGINE_ASLEEP_GIB = 2.0, 1.0
+ROLLOUT_SEQS, ROLLOUT_TOKENS = 128, 4096  # the paper's rollout batch, all of its KV at once
+ENGINE_TPS = (1, 2, 4, 8)
+
+
+def engine_share(shape: str, engine_tp: int) -> dict:
+    """Bytes per engine GPU: bf16 weights split over the engine's TP, the KV cache of the
+    whole rollout batch (KV heads split over TP, replicated when fewer), the overhead."""
+    arch, params = model_of(shape)
+    weights = 2 * sum(_numel(p.shape) for p in params) / engine_tp
+    kv_heads = max(arch.num_kv_heads / engine_tp, 1)
+    kv = 2 * 2 * arch.num_layers * kv_heads * arch.head_dim * ROLLOUT_SEQS * ROLLOUT_TOKENS
+    return {"weights": weights, "kv_cache": kv,
+            "total": weights + kv + ENGINE_OVERHEAD_GIB * GIB}
+
+
+def _layouts(shape: str, gpus: int, method: str) -> list[tuple[int, int, int]]:
+    return [(tp, pp, gpus // (tp * pp)) for tp in range(1, gpus + 1) for pp in
+            range(1, gpus + 1) if gpus % (tp * pp) == 0 and cli_accepts(shape, tp, pp, method)]
+
+
+def placements(gpu_gibs: list[float], gpus: int = 8, models=tuple(PROJECTED),
+               variants=tuple(METHODS)) -> dict:
+    """Per projected model and method, on ``gpus`` GPUs of each size: the engine TPs and
+    trainer layouts that fit (90% of a GPU) with the engine dedicated (its own GPUs, the
+    trainer on the rest) or colocated (the same GPUs in turns: the trainer's model state
+    stays while the engine generates; a sleeping engine's residue while the trainer
+    trains)."""
+    out = {}
+    for name in models:
+        shape = PROJECTED[name]
+        engines = {e: engine_share(shape, e) for e in ENGINE_TPS
+                   if e == 1 or model_of(shape)[0].num_attention_heads % e == 0}
+        entry = {"engine_gib": {f"TP{e}": round(v["total"] / GIB, 1)
+                                for e, v in engines.items()}}
+        for variant in variants:
+            method, master = METHODS[variant]
+            per_gib = {}
+            for g in gpu_gibs:
+                limit = 0.9 * g * GIB
+                dedicated, colocated = [], []
+                for e, engine in engines.items():
+                    if engine["total"] <= limit and e < gpus:
+                        dedicated += [f"engine TP{e} + TP{tp} PP{pp} DP{dp}"
+                                      for tp, pp, dp in _layouts(shape, gpus - e, method)
+                                      if plan(shape, tp, pp, dp, method=method,
+                                              master=master)["peak"] <= limit]
+                    for tp, pp, dp in _layouts(shape, gpus, method):
+                        got = plan(shape, tp, pp, dp, method=method, master=master)
+                        if max(got["model_state"] + engine["total"],
+                               got["peak"] + ENGINE_ASLEEP_GIB * GIB) <= limit:
+                            colocated.append(f"engine TP{e} + TP{tp} PP{pp} DP{dp}")
+                per_gib[f"{g:g}gib"] = {"dedicated": dedicated, "colocated": colocated}
+            entry[variant] = per_gib
+        out[name] = entry
+    return out
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -400,7 +464,7 @@ def main(argv=None) -> None:
         measured = json.loads(proc.stdout.strip().splitlines()[-1])
     gibs = [float(g) for g in args.gpu_gib.split(",")]
     report = {"benchmark": "memory_plan", "gpu_gib": gibs, "validation": validate(measured),
-              "projection": project(gibs)}
+              "projection": project(gibs), "engine_placements": placements(gibs)}
     if args.save:
         from _results import save
 
@@ -447,7 +511,41 @@ def table(report: dict, measured: dict) -> str:
                 cells.append(f"{got['peak_gib']} ({fits})")
             lines.append(f"| {row['layout']} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += engine_table(report)
     return "\n".join(lines)
+
+
+def engine_table(report: dict) -> list[str]:
+    """Markdown: per model and method, how many (engine TP, trainer layout) pairs fit with
+    the engine dedicated and colocated, on 8 GPUs of each size, and the engine's share."""
+    gibs = report["gpu_gib"]
+    lines = ["**The rollout engine's share** (projection, not measured; "
+             "`--rollout-placement`): per engine GPU, bf16 weights over the engine's TP, the "
+             f"KV cache of the paper's rollout batch ({ROLLOUT_SEQS} x {ROLLOUT_TOKENS} "
+             "tokens, all of it at once: the upper bound; a smaller --rollout-kv-cache-gib "
+             "generates the batch in waves) and an assumed "
+             f"{ENGINE_OVERHEAD_GIB:g} GiB of vLLM overhead. "
+             "Dedicated: the engine on GPUs of its own, the trainer on the other 8 - TP. "
+             "Colocated: the same 8 GPUs in turns, the trainer's model state kept while the "
+             f"engine generates, an assumed {ENGINE_ASLEEP_GIB:g} GiB left by the sleeping "
+             "engine while the trainer trains (dense Adam's optimizer state is not "
+             "offloaded). Cells: the number of (engine TP, trainer layout) pairs that fit "
+             "under 90% of the GPU, and the first of them.", ""]
+    for name, entry in report["engine_placements"].items():
+        share = ", ".join(f"{k} {v} GiB" for k, v in entry["engine_gib"].items())
+        lines += [f"{name}, engine per GPU: {share}", "",
+                  "| method | " + " | ".join(f"{mode} on {g:g} GiB" for g in gibs
+                                             for mode in ("dedicated", "colocated")) + " |",
+                  "|---|" + "---|" * (2 * len(gibs))]
+        for variant in METHODS:
+            cells = []
+            for g in gibs:
+                for mode in ("dedicated", "colocated"):
+                    fits = entry[variant][f"{g:g}gib"][mode]
+                    cells.append(f"{len(fits)}: {fits[0]}" if fits else "0")
+            lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 if __name__ == "__main__":

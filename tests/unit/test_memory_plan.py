@@ -1,5 +1,6 @@
 """benchmarks/memory_plan.py: its tensor inventory, its layouts, and the CLI's own checks."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -95,3 +96,34 @@ def test_sync_projection_counts_the_model_megatron_builds():
     small = sum(memory_plan._numel(p.shape) for p in params if p.role == "other")
     assert got["sketch_delta_bytes"] == rows * (2 * 256 + 8) + 2 * small
     assert 0.03 < got["sync_bytes_ratio"] < 0.05
+
+
+def test_the_engine_share_and_what_each_placement_fits():
+    """The engine's bytes per GPU by hand (27B: bf16 weights over its TP, the rollout
+    batch's KV with the KV heads split, the overhead), and the placement rules: a
+    dedicated engine leaves the trainer 8 - TP GPUs; colocated, the trainer's model state
+    and the awake engine share each GPU."""
+    arch, params = memory_plan.model_of("qwen3-27b")
+    n = sum(memory_plan._numel(p.shape) for p in params)
+    for tp in (2, 8):
+        share = memory_plan.engine_share("qwen3-27b", tp)
+        kv_heads = max(arch.num_kv_heads / tp, 1)
+        kv = 2 * 2 * arch.num_layers * kv_heads * arch.head_dim * 128 * 4096
+        assert share["weights"] == 2 * n / tp and share["kv_cache"] == kv
+        assert share["total"] == 2 * n / tp + kv + 2 * memory_plan.GIB
+    got = memory_plan.placements([141.0], models=("27B",),
+                                 variants=("logra_none",))["27B"]["logra_none"]["141gib"]
+    limit = 0.9 * 141 * memory_plan.GIB
+    for pair in got["dedicated"]:  # "engine TP4 + TP1 PP1 DP4"
+        e, tp, pp, dp = (int(x) for x in re.findall(r"\d+", pair))
+        assert tp * pp * dp == 8 - e
+        assert memory_plan.engine_share("qwen3-27b", e)["total"] <= limit
+        assert memory_plan.plan("qwen3-27b", tp, pp, dp, method="logra",
+                                master="none")["peak"] <= limit
+    for pair in got["colocated"]:
+        e, tp, pp, dp = (int(x) for x in re.findall(r"\d+", pair))
+        assert tp * pp * dp == 8
+        trainer = memory_plan.plan("qwen3-27b", tp, pp, dp, method="logra", master="none")
+        assert trainer["model_state"] + memory_plan.engine_share("qwen3-27b", e)["total"] \
+            <= limit
+    assert got["dedicated"] and got["colocated"]
