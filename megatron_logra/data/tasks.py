@@ -3,8 +3,9 @@
 ``resolve_tasks("rg-hard")`` / ``resolve_tasks("basic_arithmetic,chain_sum:2")`` /
 ``resolve_tasks("math")`` name a mixture of reasoning-gym tasks (or the offline math
 problems); ``generate_items`` makes its items deterministically (codeio, which runs code,
-in a sandboxed subprocess: ``runtime.sandbox``; its broken items filtered). SFT trains on an item's question and answer;
-RL scores responses against its ``entry`` (``rl.verifiers``).
+in a sandboxed subprocess: ``runtime.sandbox``; its broken items filtered). SFT trains on
+an item's question and answer; RL scores responses against its ``entry``
+(``rl.verifiers``).
 """
 
 from __future__ import annotations
