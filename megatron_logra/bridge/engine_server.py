@@ -28,7 +28,7 @@ from megatron_logra.bridge.protocol import (IN_FLIGHT, LIVE_WEIGHTS_ENV, WORKER_
                                             PushRefused, Reply, SampleRequest, WorkerRPC,
                                             call_workers)
 from megatron_logra.runtime.faults import engine_fault
-from megatron_logra.runtime.processes import die_with_parent
+from megatron_logra.runtime.processes import die_with_parent, own_resource_tracker
 
 
 def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
@@ -37,6 +37,7 @@ def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
     (``runtime.faults`` injects its k-th engine fault into the k-th engine)."""
     die_with_parent()  # a killed trainer rank leaves no engine behind (vLLM's TP workers
     # follow this process through their death pipe)
+    own_resource_tracker()  # vLLM's shared-memory queues go when this engine does
     os.environ.update(dict(cfg.env))  # its placement (``bridge.placement``), before vLLM
     if cfg.cpu_cores:  # dedicated cores: trainer rank 0's affinity excludes them
         os.sched_setaffinity(0, cfg.cpu_cores)
@@ -176,8 +177,8 @@ def _generate(adapter, conn, rollout_fault, llm,
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    requests, phase = payload
     _require_committed(llm)
+    requests, phase = payload
     prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
     params = [SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature,
                              top_p=r.top_p, seed=r.seed, logprobs=0) for r in requests]

@@ -1,12 +1,13 @@
-"""Fault-test launches: a torchrun job in its own session, and what it left behind.
+"""Fault-test launches: a torchrun job, and what it left behind.
 
 ``launch(...)`` runs ``torchrun --max-restarts 1 launch/pretrain_rl.py`` with a planned
-fault (``runtime.faults``) in a new session (``launch_nodes``: as several torchrun
-"nodes" on this host, through the c10d rendezvous), so that every process the job started, at
-any depth, carries the job's session id. Once torchrun has exited, a process still in
-that session is an orphan (a rollout engine, a scoring process, a checkpoint-writer
-queue server of a killed rank...), and a /dev/shm entry that appeared during the run
-and is still there leaked. Both are reported on the result (and the orphans killed).
+fault (``runtime.faults``); ``launch_nodes`` runs it as several torchrun "nodes" on this
+host, through the c10d rendezvous. The job's environment carries a tag of its own,
+which every process it starts inherits, at any depth. Once torchrun has exited, a
+process still carrying the tag is an orphan (a rollout engine, a scoring process, a
+checkpoint-writer queue server of a killed rank...), and a /dev/shm entry that appeared
+during the run and is still there leaked. Both are reported on the result (and the
+orphans killed).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
+JOB_TAG = "MEGATRON_LOGRA_TEST_JOB"  # in the job's environment, inherited by all it starts
 
 
 @dataclass
@@ -36,16 +39,19 @@ class Launch:
     seconds: float = 0.0  # the job's wall time
 
 
-def _session_members(sid: int) -> dict[int, str]:
-    out = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+def _tagged(tag: str) -> dict[int, str]:
+    """The live processes whose environment carries ``JOB_TAG=tag``: every process the
+    job started, at any depth (torchrun starts each worker in a session of its own, so
+    sessions and process groups do not tell)."""
+    out, needle = {}, f"{JOB_TAG}={tag}".encode()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid:  # after pid (comm): state ppid pgrp session
-                pid = int(stat.parent.name)
-                out[pid] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, IndexError, ValueError):
+            if needle in environ.read_bytes().split(b"\0"):
+                pid = int(environ.parent.name)
+                out[pid] = (environ.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
             continue
+    out.pop(os.getpid(), None)
     return out
 
 
@@ -60,7 +66,9 @@ def launch_nodes(tmp: Path, name: str, argv: list[str], *, nodes: int = 1,
     """One job of ``nodes`` torchrun agents on this host (``nodes`` > 1: each a "node" of
     ``nproc`` processes, meeting through the c10d rendezvous at a free local port, as
     the agents of a multi-node job do); their logs are joined, node 0's first."""
-    env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               **{JOB_TAG: tag})
     env.pop("MEGATRON_LOGRA_FAULT", None)
     if fault:
         env["MEGATRON_LOGRA_FAULT"] = fault
@@ -87,13 +95,16 @@ def launch_nodes(tmp: Path, name: str, argv: list[str], *, nodes: int = 1,
     try:
         returncode = max(abs(proc.wait(timeout)) for proc in procs)
     except subprocess.TimeoutExpired:
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in [proc.pid for proc in procs] + list(_tagged(tag)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         raise
     seconds = time.perf_counter() - t0
     left = {}
     for _ in range(20):  # a helper finishing its own shutdown gets a few seconds
-        left = {pid: cmd for proc in procs for pid, cmd in _session_members(proc.pid).items()}
+        left = _tagged(tag)
         if not left:
             break
         time.sleep(0.5)

@@ -21,6 +21,9 @@ q/k norms, head_dim 48 and a tied embedding. Checked against references:
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -103,6 +106,7 @@ def case(request, tmp_path_factory):
     folder = write_tiny_hf_checkpoint(tmp / "hf", family, seed=3, **ARCH[family])
     arch = load_arch(folder)
     weights = load_file(folder / "model.safetensors")
+    shm_before = set(os.listdir("/dev/shm"))
     engine = RolloutEngine(EngineConfig(str(folder), max_model_len=64, kv_cache_gib=0.05,
                                         tensor_parallel_size=tp, max_num_seqs=8,
                                         delta_sync=True))
@@ -121,19 +125,25 @@ def case(request, tmp_path_factory):
         engine.load([(n, weights[n]) for n in names[:half]])
         in_flight = [_refused_in_flight(lambda: engine.prompt_logprobs(rows.tolist())),
                      _refused_in_flight(lambda: engine._call("prompt_logprobs", rows.tolist())),
-                     _refused_in_flight(lambda: engine._call("generate", []))]
+                     _refused_in_flight(lambda: engine._call("generate", ([], "eval")))]
         engine.load([(n, weights[n]) for n in names[half:]])
         engine.commit(3)
         restored_weights = engine.engine_weights(names)
         restored = torch.tensor(engine.prompt_logprobs(rows.tolist()), dtype=torch.float64)
+        engine.kill_for_test()  # a TP2 engine's shared-memory queues go with it, even so
     finally:
         engine.close()
+    for _ in range(40):  # the engine's tracker unlinks them once its last worker is gone
+        leaked_shm = sorted(set(os.listdir("/dev/shm")) - shm_before)
+        if not leaked_shm:
+            break
+        time.sleep(0.25)
     reference = {n: t.clone() for n, t in weights.items()}
     apply_updates(arch, reference, updates)
     apply_deltas(sparse, reference)
     return dict(weights=weights, loaded=loaded, prints=prints, reference=reference,
                 after_weights=after_weights, before=before, after=after, in_flight=in_flight,
-                restored_weights=restored_weights, restored=restored,
+                restored_weights=restored_weights, restored=restored, leaked_shm=leaked_shm,
                 expected=_transformers_logprobs(folder, reference, rows),
                 checkpoint_prints={n: fingerprint(t) for n, t in weights.items()})
 
@@ -166,3 +176,10 @@ def test_full_push_in_place_restores_the_checkpoint(case):
     for name, want in case["weights"].items():
         assert torch.equal(case["restored_weights"][name], want), name
     assert (case["restored"] - case["before"]).abs().max() < 1e-6
+
+
+def test_a_killed_engine_leaves_nothing_in_shared_memory(case):
+    """vLLM's TP workers talk over shared-memory queues: the engine process has its own
+    multiprocessing resource tracker, so they go when it does, even SIGKILLed, instead
+    of staying in /dev/shm as long as the trainer lives."""
+    assert case["leaked_shm"] == []
