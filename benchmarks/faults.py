@@ -6,8 +6,8 @@ Every case is one torchrun job (DP2 on gloo, the tiny model, a real vLLM engine,
 the RL settings of ``tests/distributed/test_rl_faults.py``: LoGRA, sketch-delta sync,
 bf16, predicted-KL control, 4 updates, a checkpoint every 2) under ``--max-restarts 1``,
 meeting one fault (``runtime.faults``, or a checkpoint damaged before the job starts),
-run in its own session (``tests/distributed/fault_launch.py``). An uninterrupted job is
-the reference. Per case:
+with a tag in its environment that every process it starts inherits
+(``tests/distributed/fault_launch.py``). An uninterrupted job is the reference. Per case:
 
 - ``completed``: the job exited 0 with its final checkpoint;
 - ``updates_lost``: updates done and then thrown away (done before the crash, after the
