@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_logra.bridge.placement import parse_devices
+from megatron_logra.bridge.placement import check_placement_flags
 from megatron_logra.config import OptimizerConfig, TrainingConfig
 from megatron_logra.rl.config import RLConfig
 
@@ -74,10 +74,7 @@ def check_rl(rl: RLConfig, training: TrainingConfig, opt: OptimizerConfig, dp: i
         raise ValueError("--baseline-decay must lie in [0, 1)")
     if rl.verifier_timeout_s <= 0 or rl.rollout_kv_cache_gib <= 0:
         raise ValueError("--verifier-timeout and --rollout-kv-cache-gib must be > 0")
-    devices = parse_devices(rl.rollout_devices)  # syntax here; the devices at start-up
-    if (rl.rollout_placement == "dedicated") != bool(devices):
-        raise ValueError("--rollout-devices goes with --rollout-placement dedicated, and "
-                         "dedicated needs it (the engine's GPUs, e.g. 6,7, or CPU cores)")
+    check_placement_flags(rl.rollout_placement, rl.rollout_devices)
     kl = rl.kl
     if not 0 < kl.budget_end <= kl.budget_start:
         raise ValueError("need 0 < --kl-budget-final <= --kl-budget")

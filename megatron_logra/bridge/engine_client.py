@@ -24,7 +24,7 @@ from megatron_logra.bridge.protocol import (IN_FLIGHT, Command, Completion, Engi
                                             SampleRequest)
 
 
-_ENGINE_STARTS = [0]  # engines this process has started (``runtime.faults``: the first one)
+_ENGINE_STARTS = [0]  # engines this process has started (``runtime.faults``: the k-th)
 
 
 class RolloutEngine:

@@ -36,6 +36,11 @@ class EnginePlacement:
     sleep_mode: bool = False  # colocated on CUDA: vLLM's sleep/wake between phases
     note: str = ""  # said once at start-up (colocated on CPU)
 
+    @property
+    def engine_cores(self) -> tuple[int, ...]:
+        """CPU, dedicated: the cores the engine process is bound to (else none)."""
+        return self.devices if self.trainer_cores else ()
+
 
 def parse_devices(spec: str) -> tuple[int, ...]:
     """``"6,7"`` or ``"4-7"`` or ``"0,2-3"`` -> (ids...); refused when malformed."""
@@ -53,6 +58,21 @@ def parse_devices(spec: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def check_placement_flags(mode: str, devices_spec: str) -> tuple[int, ...]:
+    """The ids of ``--rollout-devices`` when the flag pair makes sense (parsing checks it;
+    the devices themselves are checked at start-up), else ValueError with the fix."""
+    if mode not in PLACEMENTS:
+        raise ValueError(f"--rollout-placement {mode!r}: choose {', '.join(PLACEMENTS)}")
+    devices = parse_devices(devices_spec)
+    if mode != "dedicated" and devices:
+        raise ValueError(f"--rollout-devices is for --rollout-placement dedicated (got "
+                         f"{mode})")
+    if mode == "dedicated" and not devices:
+        raise ValueError("--rollout-placement dedicated needs --rollout-devices (the engine's "
+                         "GPUs, e.g. 6,7, or on CPU its cores, e.g. 6-7)")
+    return devices
+
+
 def plan_placement(mode: str, devices_spec: str, *, engine_tp: int, cuda: bool,
                    node_devices: list[int], local_world_size: int,
                    visible: str | None = None) -> EnginePlacement:
@@ -62,21 +82,13 @@ def plan_placement(mode: str, devices_spec: str, *, engine_tp: int, cuda: bool,
     may run on (``os.sched_getaffinity``). ``local_world_size``: trainer ranks on node 0.
     ``visible``: node 0's ``CUDA_VISIBLE_DEVICES`` (the engine's ids are translated
     through it)."""
-    if mode not in PLACEMENTS:
-        raise ValueError(f"--rollout-placement {mode!r}: choose {', '.join(PLACEMENTS)}")
-    devices = parse_devices(devices_spec)
+    devices = check_placement_flags(mode, devices_spec)
+    if mode == "colocated" and not cuda:
+        return EnginePlacement(mode, note="--rollout-placement colocated: vLLM has no sleep "
+                               "mode on CPU; the engine and the trainer share the cores as "
+                               "with inherit")
     if mode != "dedicated":
-        if devices:
-            raise ValueError(f"--rollout-devices is for --rollout-placement dedicated (got "
-                             f"{mode})")
-        if mode == "colocated" and not cuda:
-            return EnginePlacement(mode, note="--rollout-placement colocated: vLLM has no "
-                                   "sleep mode on CPU; the engine and the trainer share the "
-                                   "cores as with inherit")
         return EnginePlacement(mode, sleep_mode=mode == "colocated")
-    if not devices:
-        raise ValueError("--rollout-placement dedicated needs --rollout-devices (the engine's "
-                         + ("GPUs, e.g. 6,7" if cuda else "CPU cores, e.g. 6-7") + ")")
     missing = [d for d in devices if d not in node_devices]
     if missing:
         raise ValueError(f"--rollout-devices {devices_spec}: {missing} do not exist on node 0 "

@@ -161,7 +161,7 @@ class RLRun:
             tensor_parallel_size=rl.rollout_tensor_parallel_size, seed=rl.rollout_seed,
             delta_sync=self.weights.needs_in_place_engine,
             lora_rank=self.weights.engine_lora_rank, env=tuple(self.placement.env.items()),
-            cpu_cores=self.placement.devices if self.placement.trainer_cores else (),
+            cpu_cores=self.placement.engine_cores,
             sleep_mode=self.placement.sleep_mode)
         print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",
               flush=True)

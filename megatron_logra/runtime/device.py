@@ -88,7 +88,7 @@ def init_runtime(timeout_minutes: float = 10.0) -> Runtime:
             dist.init_process_group(backend=backend, timeout=timeout)
         else:  # one process; nothing written to os.environ, so child processes inherit no port
             dist.init_process_group(backend=backend, timeout=timeout, rank=0, world_size=1,
-                                    init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                    init_method=f"tcp://127.0.0.1:{free_port()}")
         atexit.register(shutdown_runtime)
     _RUNTIME = Runtime(device=device, backend=backend, rank=dist.get_rank(),
                        world_size=dist.get_world_size(),
@@ -117,7 +117,8 @@ def current_device() -> torch.device:
     return _RUNTIME.device if _RUNTIME is not None else select_device()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
     import socket
 
     with socket.socket() as sock:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from megatron_logra.runtime.device import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
@@ -75,7 +76,7 @@ def launch_nodes(tmp: Path, name: str, argv: list[str], *, nodes: int = 1,
     if nodes == 1:
         where = [["--standalone"]]
     else:
-        port = _free_port()
+        port = free_port()
         where = [["--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-backend", "c10d",
                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", name]
                  for node in range(nodes)]
@@ -116,12 +117,6 @@ def launch_nodes(tmp: Path, name: str, argv: list[str], *, nodes: int = 1,
     shm_after = set(os.listdir(SHM)) if SHM.is_dir() else set()
     return Launch(returncode, "".join(path.read_text() for path in logs),
                   sorted(left.values()), sorted(shm_after - shm_before), seconds)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ok(run: Launch) -> str:

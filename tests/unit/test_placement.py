@@ -81,6 +81,9 @@ def test_flags_reach_the_config_and_are_checked_at_parse():
     assert (cfg.rl.rollout_placement, cfg.rl.rollout_devices) == ("dedicated", "6,7")
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         parse_run_config([*rl, "--rollout-placement", "elsewhere"], world_size=1)
-    for argv in (["--rollout-placement", "dedicated"], ["--rollout-devices", "1"]):
-        with pytest.raises(ValueError, match="--rollout-devices goes with"):
+    for argv, why in ((["--rollout-placement", "dedicated"], "needs --rollout-devices"),
+                      (["--rollout-devices", "1"], "is for --rollout-placement dedicated"),
+                      (["--rollout-placement", "dedicated", "--rollout-devices", "6-x"],
+                       "not an id")):
+        with pytest.raises(ValueError, match=why):
             parse_run_config([*rl, *argv], world_size=1)
