@@ -34,7 +34,11 @@ class RolloutEngine:
         self.cfg = cfg
         self.restarts = 0
         self._proc = self._conn = None
-        self.version = 0  # the version committed in the engine (0: the export it started from)
+        # the version committed in the engine (0: the export it started from; -1: nothing
+        # yet, an engine started from dummy weights for the direct channel)
+        self.version = 0
+        self.start_id = 0  # which engine this process started (a fresh one per restart)
+        self._pending: Command | None = None  # a command sent, its answer not read yet
         self._start()
 
     def _start(self) -> None:
@@ -46,6 +50,7 @@ class RolloutEngine:
         # would wait for it); it also exits by itself when this end of the pipe closes
         daemon = self.cfg.tensor_parallel_size == 1
         _ENGINE_STARTS[0] += 1
+        self.start_id = _ENGINE_STARTS[0]
         self._proc = ctx.Process(target=serve, args=(child, self.cfg, _ENGINE_STARTS[0]),
                                  daemon=daemon)
         self._proc.start()
@@ -54,14 +59,28 @@ class RolloutEngine:
         child.close()
         self._call_raw(None, None, self.cfg.startup_timeout_s)
         self.startup_s = time.perf_counter() - t0
-        self.version = 0
+        self.version = -1 if self.cfg.load_format == "dummy" else 0
 
     def _call_raw(self, command, payload, timeout: float, on_progress=None):
         """Send one command and wait for its answer; progress messages on the way go to
         ``on_progress(done, total, note)`` (``timeout``: the longest silence)."""
+        if command is not None:
+            self._begin(command, payload)
+        return self._answer(command, timeout, on_progress)
+
+    def _begin(self, command, payload) -> None:
+        if self._pending is not None:
+            raise EngineError(f"engine: {command} sent while {self._pending} is unanswered")
         try:
-            if command is not None:
-                self._conn.send((command, payload))
+            self._conn.send((command, payload))
+        except (OSError, BrokenPipeError) as exc:
+            raise EngineError(f"engine process died before {command} "
+                              f"({type(exc).__name__}; exit code {self._proc.exitcode})") from None
+        self._pending = command
+
+    def _answer(self, command, timeout: float, on_progress=None):
+        self._pending = None
+        try:
             while True:
                 if not self._conn.poll(timeout):
                     raise EngineError(f"engine: no answer to {command or 'startup'} in "
@@ -142,6 +161,30 @@ class RolloutEngine:
         (tests: bit-exactness against the trainer)."""
         return self._call(Command.WEIGHTS, names)
 
+    # --- the direct channel (``bridge.direct``): rank 0 sends, then sends its own part ----
+    def begin_join(self, address) -> None:
+        """Have every worker join the trainer's group (``p2p.GroupAddress``); the answer
+        comes once every trainer rank joined too (``end_call``)."""
+        self._begin(Command.JOIN, address)
+
+    def expect(self, transport: str, base_version: int | None) -> None:
+        """Announce a direct push (``base_version``: a delta's base, None for a full
+        push); ``PushRefused`` when the engine cannot take it, before anything is sent."""
+        if base_version is not None and self.version != base_version:
+            raise PushRefused(f"a delta on version {base_version}, the engine serves "
+                              f"{self.version}: push full weights")
+        self._call(Command.EXPECT, (str(transport), base_version))
+
+    def begin_receive(self, rounds: int) -> None:
+        """The workers receive ``rounds`` rounds of messages from every trainer rank; the
+        answer (bytes received) comes with ``end_call``."""
+        self.version = -1
+        self._begin(Command.RECEIVE, rounds)
+
+    def end_call(self):
+        """The answer to the command ``begin_join`` or ``begin_receive`` sent."""
+        return self._answer(self._pending, self.cfg.request_timeout_s)
+
     def commit(self, version: int) -> None:
         if version < 0:
             raise ValueError(f"weight push: version {version} must be >= 0")
@@ -196,7 +239,7 @@ class RolloutEngine:
         if self._proc is not None:
             self._proc.kill()
             self._proc.join(30)
-        self._proc = self._conn = None
+        self._proc = self._conn = self._pending = None
 
     def close(self) -> None:
         if self._proc is not None and self._proc.is_alive():

@@ -75,6 +75,10 @@ class EngineLink:
 
     def _push_once(self, version: int, transport: str | None) -> tuple[str, int]:
         """(failure message or "", bytes sent)."""
+        if self.sync.direct:  # the engine starts on dummy weights; the push brings them
+            failed = self._start_for_direct()
+            if failed:
+                return failed, 0
         result = self.sync.push(self.engine, version, transport)
         if result.startup_tensors is None:
             return result.failed, result.sent
@@ -96,6 +100,22 @@ class EngineLink:
         print(f"rollout engine up in {self.engine.startup_s:.1f}s (vLLM {cfg.dtype}, "
               f"TP{cfg.tensor_parallel_size})", flush=True)
         return "", result.sent
+
+    def _start_for_direct(self) -> str:
+        """Rank 0 starts the engine if it is not running (collective: the failure, or "",
+        on every rank)."""
+        status = [""]
+        if self.rank == 0 and self.engine is None:
+            try:
+                self.engine = RolloutEngine(self.engine_cfg)
+                cfg = self.engine_cfg
+                print(f"rollout engine up in {self.engine.startup_s:.1f}s (vLLM {cfg.dtype}, "
+                      f"TP{cfg.tensor_parallel_size}, dummy weights until the first push)",
+                      flush=True)
+            except EngineError as exc:
+                status = [f"engine start-up: {exc}"]
+        dist.broadcast_object_list(status, src=0)
+        return status[0]
 
     # --- colocated (an engine started with sleep_mode) -------------------------------------
     def release(self) -> None:
@@ -166,3 +186,4 @@ class EngineLink:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+        self.sync.close()

@@ -67,6 +67,7 @@ def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
                   kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30),
                   logprobs_mode="processed_logprobs", **lora_options(cfg.lora_rank),
                   **({"enable_sleep_mode": True} if cfg.sleep_mode else {}),
+                  load_format=cfg.load_format,
                   worker_extension_cls=WORKER_EXTENSION)
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         conn.send((Reply.ERROR, f"vLLM failed to start: {type(exc).__name__}: {exc}"))
@@ -95,7 +96,10 @@ def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
     if cfg.sleep_mode:
         handlers.update({Command.SLEEP: lambda llm, _: llm.sleep(level=1),
                          Command.WAKE: lambda llm, tags: llm.wake_up(tags=tags)})
+    direct = _DirectReceiver()
     if receiver is not None:
+        handlers.update({Command.JOIN: direct.join, Command.EXPECT: direct.expect,
+                         Command.RECEIVE: direct.receive})
         handlers.update({Command.SKETCH_DELTA: receiver.sketch_delta,
                          Command.SPARSE_DELTA: receiver.sparse_delta,
                          Command.FINGERPRINTS: receiver.fingerprints,
@@ -114,8 +118,9 @@ def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
             continue
         try:
             value = handlers[command](llm, payload)
-            if command in _FAULT_AFTER:
-                fault(_FAULT_AFTER[command], committed[0] + 1)
+            after = direct.fault_point if command == Command.RECEIVE else _FAULT_AFTER.get(command)
+            if after:
+                fault(after, committed[0] + 1)
             if command == Command.COMMIT:
                 committed[0] = value
             conn.send((Reply.OK, value))
@@ -131,6 +136,35 @@ def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
 # the fault (``runtime.faults``) injected after a command was carried out, before its reply
 _FAULT_AFTER = {Command.LOAD: "engine-full-push", Command.SKETCH_DELTA: "engine-delta-push",
                 Command.SPARSE_DELTA: "engine-delta-push"}
+
+
+class _DirectReceiver:
+    """The engine process's part in the direct channel (``bridge.direct``): the workers
+    join the trainer's group, a push is checked before any rank sends (``expect``), then
+    the workers receive it (``receive``, blocking until every trainer rank has sent)."""
+
+    def __init__(self):
+        self.joined = False
+        self.fault_point = ""  # the fault (``runtime.faults``) after the expected push
+
+    def join(self, llm, address) -> list[int]:
+        ranks = call_workers(llm, WorkerRPC.JOIN, address)
+        self.joined = True
+        return ranks
+
+    def expect(self, llm, payload: tuple[str, int | None]) -> None:
+        """(transport, base version: None for a full push): refused unless a delta's base
+        is the version every worker serves."""
+        kind, base = payload
+        if not self.joined:
+            raise PushRefused("the engine has not joined the direct weight group")
+        if base is not None and _engine_version(llm) != base:
+            raise PushRefused(f"a delta on version {base}, the engine serves "
+                              f"{_engine_version(llm)}: push full weights")
+        self.fault_point = "engine-full-push" if kind == "full" else "engine-delta-push"
+
+    def receive(self, llm, rounds: int) -> int:
+        return sum(call_workers(llm, WorkerRPC.RECEIVE, rounds))
 
 
 class _PipeProgressBar:

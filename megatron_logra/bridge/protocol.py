@@ -1,6 +1,8 @@
 """What the trainer, the engine process and the vLLM workers say to each other.
 
-Three hops carry a rollout request or a weight push:
+Three hops carry a rollout request or a weight push (the direct channel,
+``bridge.direct``, moves a push's tensors from every trainer rank straight to the
+workers over a torch.distributed group; the pipe then carries only its commands):
 
     trainer rank 0 (``engine_client.RolloutEngine``)
         --pipe: (Command, payload) -> (Reply, value)-->
@@ -33,6 +35,16 @@ class PushRefused(ValueError):
     on the wrong base version); the engine still serves its previous version."""
 
 
+@dataclass(frozen=True)
+class Delivery:
+    """How a delta push went, the same on every trainer rank: refused before anything
+    was applied (the reason), or failed (the engine's error), else the bytes it took."""
+
+    refused: str = ""
+    failed: str = ""
+    sent: int = 0
+
+
 IN_FLIGHT = "a weight push is in flight (loaded, not committed): commit it first"
 
 
@@ -43,6 +55,13 @@ class Transport(StrEnum):
     SPARSE_DELTA = "sparse-delta"  # the engine-dtype elements that changed (exact)
     SKETCH_DELTA = "sketch-delta"  # LoGRA: D and the projection seed per sketched weight
     LORA_ADAPTER = "lora-adapter"  # LoRA: the adapter only, served by vLLM's LoRA support
+
+
+class Channel(StrEnum):
+    """What carries a push's tensors (``--weight-sync-channel``)."""
+
+    PIPE = "pipe"  # to trainer rank 0, over its pipe to the engine process, to every worker
+    DIRECT = "direct"  # each trainer rank to each worker, its pieces only (``bridge.direct``)
 
 
 class Command(StrEnum):
@@ -60,6 +79,12 @@ class Command(StrEnum):
     LORA_ADAPTER = "lora_adapter"  # a LoRA adapter in PEFT's format, served from now on
     SLEEP = "sleep"  # sleep mode (colocated): release weights (to host) and KV cache
     WAKE = "wake"  # take back the given parts: ["weights"], ["kv_cache"]
+    # the direct channel (``bridge.direct``): the workers join the trainer's group; a push
+    # is announced (EXPECT: refused unless the engine can take it), then RECEIVE blocks
+    # while every trainer rank sends each worker its pieces
+    JOIN = "join"
+    EXPECT = "expect"
+    RECEIVE = "receive"
     SHUTDOWN = "shutdown"
 
 
@@ -87,6 +112,8 @@ class WorkerRPC(StrEnum):
     SET = "mlogra_set"
     FINGERPRINTS = "mlogra_fingerprints"
     PIECES = "mlogra_pieces"
+    JOIN = "mlogra_join"
+    RECEIVE = "mlogra_receive"
 
 
 def call_workers(llm, rpc: WorkerRPC, *args) -> list:
@@ -116,6 +143,9 @@ class EngineConfig:
     env: tuple[tuple[str, str], ...] = ()  # set in the engine process first (placement)
     cpu_cores: tuple[int, ...] = ()  # CPU, dedicated: the only cores the engine runs on
     sleep_mode: bool = False  # CUDA, colocated: release weights and KV cache between turns
+    # "dummy": start from random weights, the first push brings the real ones (the direct
+    # channel: no weights file on the engine's node, no rank holding the whole model)
+    load_format: str = "auto"
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 1800.0
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_logra.bridge.config import WeightSyncConfig
-from megatron_logra.bridge.protocol import EngineError, PushRefused, Transport
+from megatron_logra.bridge.protocol import Channel, Transport
 from megatron_logra.bridge.transports import (FullPush, LoraAdapterPush, PushResult,
                                               SketchDeltaPush, SparseDeltaPush, TrainerWeights)
 
@@ -39,8 +39,8 @@ def choose_transport(wanted: str, *, version: int, engine_version: int,
     (the engine serves version - 1; for sparse-delta the senders' last sent tensors are
     version - 1 too, ``shadow_version``, None when not recorded) and this is not an
     anchor update (every ``anchor_interval``-th version, 0: none), else "full"."""
-    if wanted == Transport.FULL or engine_version != version - 1:
-        return Transport.FULL
+    if wanted == Transport.FULL or engine_version < 0 or engine_version != version - 1:
+        return Transport.FULL  # (-1: nothing committed, e.g. an engine on dummy weights)
     if wanted == Transport.SPARSE_DELTA and shadow_version != version - 1:
         return Transport.FULL
     if anchor_interval and version % anchor_interval == 0:
@@ -52,16 +52,21 @@ class WeightSync:
     """The trainer's side of weight sync (collective: every rank calls every method)."""
 
     def __init__(self, cfg: WeightSyncConfig, model_chunks: list, arch, dtype: torch.dtype,
-                 optimizer=None, lora=None):
+                 optimizer=None, lora=None, engine_tp: int = 1):
         """``optimizer``: the ``LograOptimizer`` whose updates a sketch-delta push sends;
-        ``lora``: the run's ``LoraConfig`` (LoRA runs), for lora-adapter pushes."""
+        ``lora``: the run's ``LoraConfig`` (LoRA runs), for lora-adapter pushes;
+        ``engine_tp``: the engine's TP size (the direct channel's worker count)."""
         self.cfg = cfg
         adapter_mode = cfg.transport == Transport.LORA_ADAPTER
         if adapter_mode and lora is None:
             raise ValueError("--weight-sync lora-adapter sends a LoRA adapter: train with "
                              "--peft lora")
+        if adapter_mode and cfg.channel == Channel.DIRECT:
+            raise ValueError("--weight-sync lora-adapter needs --weight-sync-channel pipe")
+        self.direct = cfg.channel == Channel.DIRECT
         self.weights = TrainerWeights(model_chunks, arch, dtype, cfg.bucket_mb * 2**20,
-                                      merged=not adapter_mode)
+                                      merged=not adapter_mode,
+                                      direct_engine_tp=engine_tp if self.direct else 0)
         self.rank = self.weights.rank
         self.stats = SyncStats()
         self.full = FullPush(self.weights)
@@ -96,8 +101,14 @@ class WeightSync:
 
     @property
     def needs_in_place_engine(self) -> bool:
-        """Whether the engine must take delta pushes (``EngineConfig.delta_sync``)."""
-        return self.cfg.transport in (Transport.SPARSE_DELTA, Transport.SKETCH_DELTA)
+        """Whether the engine must take pushes in place (``EngineConfig.delta_sync``): delta
+        pushes, and anything over the direct channel."""
+        return self.direct or self.cfg.transport in (Transport.SPARSE_DELTA,
+                                                     Transport.SKETCH_DELTA)
+
+    def close(self) -> None:
+        if self.weights.direct is not None:
+            self.weights.direct.close()
 
     def engine_mismatches(self, engine) -> int | None:
         """How many HF tensors the engine holds differently from the trainer (fingerprints;
@@ -138,26 +149,17 @@ class WeightSync:
         return choice[0]
 
     def _push_delta(self, engine, version: int, delta) -> PushResult | None:
-        """Every rank sends its own part to rank 0; each vLLM worker applies its shard of it
-        in place. None: refused before anything was applied."""
-        payload = delta.gather()
-        out, status = PushResult(), [False, ""]  # [refused, failure], rank 0's on every rank
-        if self.rank == 0:
-            try:
-                out.sent = delta.send(engine, payload, version)
-            except PushRefused as exc:
-                print(f"{delta.transport} push refused ({exc}); pushing full weights",
+        """Every rank's part reaches the engine (``delta.deliver``); each vLLM worker applies
+        its shard of it in place. None: refused before anything was applied."""
+        done = delta.deliver(engine, version)
+        if done.refused:
+            if self.rank == 0:
+                print(f"{delta.transport} push refused ({done.refused}); pushing full weights",
                       flush=True)
-                status[0] = True
-            except EngineError as exc:
-                status[1] = str(exc)
-        # every rank must know of a failure too: the fingerprint check below is collective
-        dist.broadcast_object_list(status, src=0)
-        if status[0]:
             return None
-        if status[1]:  # the engine died: the caller restarts it and pushes in full
-            out.failed = status[1]
-            return out
+        if done.failed:  # the engine died: the caller restarts it and pushes in full
+            return PushResult(failed=done.failed)
+        out = PushResult(sent=done.sent if self.rank == 0 else 0)
         self.stats.delta_pushes += 1
         delta.applied(version)
         every = self.cfg.verify_interval

@@ -13,8 +13,11 @@ for sparse deltas what each sender last sent. Rank 0 talks to the engine
   params that train, in full (none when they are frozen, the paper's setting).
 - ``LoraAdapterPush`` (LoRA): the adapter only, in PEFT's format, which vLLM serves on
   top of the base; the full push before it carries the base unmerged.
-A delta's ``gather`` collects every rank's part on rank 0; ``send`` hands it to the
-engine, which refuses (``PushRefused``, nothing applied) unless it serves the base version.
+A delta's ``deliver`` (collective) gets it to the engine, which refuses (nothing applied)
+unless it serves the base version. Over the rank-0 pipe (``--weight-sync-channel pipe``)
+``gather`` collects every rank's part on rank 0 and ``send`` hands it to the engine;
+over the direct channel (``bridge.direct``) every rank sends each vLLM worker its own
+pieces, for full pushes too.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_logra.bridge.direct import DirectChannel
 from megatron_logra.bridge.fingerprint import same_fingerprint
 from megatron_logra.bridge.full_weights import (full_push, gather_adapters, plan_push,
                                                 sparse_push, trainer_fingerprints)
-from megatron_logra.bridge.protocol import EngineError, Transport
+from megatron_logra.bridge.protocol import Delivery, EngineError, PushRefused, Transport
 from megatron_logra.bridge.sketch_delta import owned_updates
 from megatron_logra.model.hf_mapping import hf_sources, megatron_param_names
 from megatron_logra.model.provider import canonical_param_names, unwrap
@@ -46,13 +50,17 @@ class TrainerWeights:
     """The policy's weights as the bridge reads them (built collectively, once per run)."""
 
     def __init__(self, model_chunks: list, arch, dtype: torch.dtype, bucket_bytes: int,
-                 merged: bool = True):
+                 merged: bool = True, direct_engine_tp: int = 0):
         """``merged``: full pushes carry LoRA's adapters merged into their weights (an
-        engine serving the adapter on its own takes the base: False)."""
+        engine serving the adapter on its own takes the base: False).
+        ``direct_engine_tp``: > 0, pushes go over the direct channel to an engine of this
+        TP size (``direct``); 0: over the rank-0 pipe."""
         self.model, self.arch, self.dtype, self.bucket_bytes = model_chunks, arch, dtype, bucket_bytes
         self.merged = merged
         self.rank = dist.get_rank()
         self.plan = plan_push(model_chunks, arch)
+        self.direct = DirectChannel(model_chunks, arch, self.plan, dtype, direct_engine_tp,
+                                    bucket_bytes) if direct_engine_tp else None
         self.hf_source = hf_sources(arch)  # HF tensor name -> canonical megatron param
         # sparse-delta: what each sender last sent (engine dtype), and its version
         self.shadow: dict[str, torch.Tensor] | None = None
@@ -84,6 +92,8 @@ class FullPush:
         """Every parameter (or ``names``, canonical) in full, then the commit. Without an
         engine (rank 0, start-up) the tensors come back in ``startup_tensors``."""
         w = self.weights
+        if w.direct is not None:
+            return self._push_direct(engine, version, names)
         starting = w.rank == 0 and engine is None
         out, saved = PushResult(), {}
         progress, moved = Progress("weight sync", None, "MB", enabled=w.rank == 0), 0
@@ -111,6 +121,14 @@ class FullPush:
             except EngineError as exc:
                 out.failed = str(exc)
         return out
+
+    def _push_direct(self, engine, version: int, names: list[str] | None) -> PushResult:
+        """Every rank sends each vLLM worker its pieces; the engine must be running."""
+        w = self.weights
+        done = w.direct.full(engine, version, names, record=w.shadow is not None)
+        if w.shadow is not None and names is None and not (done.failed or done.refused):
+            w.shadow_version = version
+        return PushResult(failed=done.failed or done.refused, sent=done.sent)
 
     def mismatches(self, engine) -> tuple[list[str] | None, str]:
         """(HF names whose trainer and engine fingerprints differ, "") on every rank, or
@@ -155,6 +173,12 @@ class SparseDeltaPush:
         w = self.weights
         return w.shadow is not None and w.shadow_version == version - 1
 
+    def deliver(self, engine, version: int) -> Delivery:
+        w = self.weights
+        if w.direct is not None:
+            return w.direct.sparse(engine, version)
+        return deliver_through_rank0(self, engine, version)
+
     def gather(self) -> list | None:
         """Every sender's changed elements, on rank 0 (None elsewhere)."""
         w = self.weights
@@ -195,6 +219,12 @@ class SketchDeltaPush:
     def ready(self, version: int) -> bool:
         return True
 
+    def deliver(self, engine, version: int) -> Delivery:
+        w = self.weights
+        if w.direct is not None:
+            return w.direct.sketch(engine, version, self.optimizer, self.unsketched)
+        return deliver_through_rank0(self, engine, version)
+
     def gather(self):
         """(every rank's rows of D with seeds, the unsketched tensors) on rank 0."""
         full = [t for bucket in self.weights.buckets(self.unsketched) for t in bucket]
@@ -225,6 +255,9 @@ class LoraAdapterPush:
 
     def ready(self, version: int) -> bool:
         return True
+
+    def deliver(self, engine, version: int) -> Delivery:
+        return deliver_through_rank0(self, engine, version)
 
     def gather(self):
         """(PEFT's adapter tensors in the engine dtype, its adapter_config) on rank 0."""
@@ -259,6 +292,23 @@ class LoraAdapterPush:
         except (EngineError, ValueError) as exc:
             result.failed = str(exc)
         return result
+
+
+def deliver_through_rank0(delta, engine, version: int) -> Delivery:
+    """Every rank's part of ``delta`` gathered on rank 0, which sends it to the engine;
+    the outcome broadcast to every rank."""
+    payload = delta.gather()
+    status = ["", "", 0]  # [refused, failed, sent]: rank 0's on every rank
+    if dist.get_rank() == 0:
+        try:
+            status[2] = delta.send(engine, payload, version)
+        except PushRefused as exc:
+            status[0] = str(exc)
+        except EngineError as exc:
+            status[1] = str(exc)
+    # every rank must know of a failure too: what follows a push is collective
+    dist.broadcast_object_list(status, src=0)
+    return Delivery(*status)
 
 
 def _gather_to_rank0(mine: list) -> list | None:

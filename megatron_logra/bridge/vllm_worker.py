@@ -183,6 +183,49 @@ class VllmWorkerExtension:
                 target[p.local_row:p.local_row + p.row1 - p.row0].copy_(piece)
         return len(tensors)
 
+    # --- the direct channel (``bridge.direct``) ---------------------------------------------
+    def mlogra_join(self, address) -> int:
+        """Join the trainer's direct weight group (``p2p.GroupAddress``) as group rank
+        ``trainers + this worker's TP rank``; returns that rank."""
+        from megatron_logra.bridge.p2p import join_group
+
+        self._mlogra_locate()  # the TP rank, before anything blocks
+        rank = address.trainers + self._mlogra_tp[1]
+        self._mlogra_address = address
+        self._mlogra_group = join_group(address, rank, device=self._mlogra_device())
+        return rank
+
+    def _mlogra_device(self) -> torch.device:
+        return next(self.model_runner.get_model().parameters()).device
+
+    @torch.inference_mode()
+    def mlogra_receive(self, rounds: int) -> int:
+        """Receive ``rounds`` rounds of one message from every trainer rank and apply each
+        to this worker's live parameters (checked first); returns the bytes received."""
+        from megatron_logra.bridge.direct_payload import apply_message, check_message
+        from megatron_logra.bridge.p2p import recv_message
+        from megatron_logra.bridge.sketch_delta import apply_updates_into, check_updates
+        from megatron_logra.model.hf_mapping import hf_param_shapes
+
+        self._mlogra_version = -1
+        arch, locate = self._mlogra_locate()
+        params = {n: p.data for n, p in
+                  self.model_runner.get_model().named_parameters(remove_duplicate=False)}
+        shapes = hf_param_shapes(arch)
+
+        def apply_updates(updates):
+            check_updates(arch, updates, shapes)
+            apply_updates_into(arch, updates, locate)
+
+        device, received = self._mlogra_device(), 0
+        for _ in range(rounds):
+            for sender in range(self._mlogra_address.trainers):
+                meta, tensors, size = recv_message(self._mlogra_group, sender, device)
+                check_message(meta, tensors, params)
+                apply_message(meta, tensors, params, apply_updates)
+                received += size
+        return received
+
     # --- read back, in HF coordinates -------------------------------------------------------
     def mlogra_fingerprints(self, names: list[str]) -> dict[str, float]:
         """This worker's share of each tensor's fingerprint (its primary pieces)."""

@@ -85,7 +85,8 @@ class RLRun:
         opt = cfg.optimizer
         self.weights = WeightSync(cfg.rl.sync, self.objs.model, self.objs.arch, self.dtype,
                                   optimizer=self.objs.optimizer,
-                                  lora=opt.lora if opt.peft == "lora" else None)
+                                  lora=opt.lora if opt.peft == "lora" else None,
+                                  engine_tp=cfg.rl.rollout_tensor_parallel_size)
         self.sync = self.weights.stats
         self.baseline = adv.RunningBaseline(cfg.rl.baseline_decay)
         extra = self.prep.extra_state or {}
@@ -162,7 +163,8 @@ class RLRun:
             delta_sync=self.weights.needs_in_place_engine,
             lora_rank=self.weights.engine_lora_rank, env=tuple(self.placement.env.items()),
             cpu_cores=self.placement.engine_cores,
-            sleep_mode=self.placement.sleep_mode)
+            sleep_mode=self.placement.sleep_mode,
+            load_format="dummy" if self.weights.direct else "auto")
         print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",
               flush=True)
         verifier = Verifier(VerifierConfig(reward=rl.reward, timeout_s=rl.verifier_timeout_s))

@@ -1,0 +1,313 @@
+"""The direct weight channel (``--weight-sync-channel direct``): every trainer rank sends
+each vLLM worker only its own pieces, over a torch.distributed group between them.
+
+The rank-0 pipe (the default) funnels every push through trainer rank 0: TP gathers per
+parameter, point-to-point relays to rank 0, the pipe to the engine process, and every
+vLLM worker receives the whole payload and keeps its shard. Here instead:
+
+- the group (``p2p``) holds every trainer rank and every engine TP rank; a restarted
+  engine joins a fresh one (the trainer side notices at the next push);
+- a full push: each rank's own TP shard of each parameter it sends (data-parallel rank
+  0; a parameter with no TP split: TP rank 0; a tied embedding: the first stage) is cut
+  into ``transfer_plan.Block``s, one message per worker per bucket of parameters: no TP
+  gather, no relay, no rank holding more than its shard;
+- a sparse delta: each rank compares its shard, in the engine dtype, with what it last
+  sent (a shard-sized shadow) and sends each worker the changed elements it holds, as
+  flat indices into the worker's own parameter (a block that changed nearly everywhere
+  goes dense);
+- a sketch delta: each rank's own rows of D (``sketch_delta.owned_updates``), each worker
+  receiving the rows it holds; the unsketched tensors that train go as blocks.
+
+Rank 0 asks the engine first (``expect``: a delta on the wrong base version is refused
+before anything is sent, and every rank hears so), then the engine's workers receive
+round by round while every trainer rank sends; versions, commits, fingerprints and the
+refusal rules are those of the pipe.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_logra.bridge.direct_payload import Outbox
+from megatron_logra.bridge.p2p import GroupAddress, join_group, open_store, send_message
+from megatron_logra.bridge.protocol import Delivery, EngineError, PushRefused, Transport
+from megatron_logra.bridge.sketch_delta import RowsUpdate, encode_rows, owned_updates
+from megatron_logra.bridge.transfer_plan import Block, shard_blocks, shard_extent, worker_rows
+from megatron_logra.model.hf_mapping import hf_param_shapes, megatron_param_names, row_segments
+from megatron_logra.model.provider import canonical_param_names, global_shape, served_parameters
+from megatron_logra.model.sharding import tp_split
+from megatron_logra.runtime.device import current_device, free_port
+
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """A parameter this rank sends: its served value (local shard) and its blocks."""
+
+    value: Callable[[], torch.Tensor]
+    blocks: tuple[Block, ...]
+
+
+class DirectChannel:
+    """The trainer's side of the direct channel (collective: every rank calls every method)."""
+
+    def __init__(self, model_chunks: list, arch, plan, dtype: torch.dtype, engine_tp: int,
+                 bucket_bytes: int):
+        """``plan``: ``full_weights.PushPlan`` (who sends each parameter's stage);
+        ``engine_tp``: the engine's TP size (its worker count)."""
+        self.arch, self.dtype, self.engine_tp = arch, dtype, engine_tp
+        self.bucket_bytes = bucket_bytes
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = current_device()
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.shards = self._my_shards(model_chunks, plan)
+        self.shadow: dict[str, torch.Tensor] = {}  # sparse deltas: what each shard last sent
+        self.group = self.store = None
+        self.joined = None  # the engine start the group was built with
+        self.hf_shapes = hf_param_shapes(arch)
+
+    def _my_shards(self, model_chunks, plan) -> dict[str, _Shard]:
+        """The parameters this rank sends, with the blocks of its shard (LoRA: the merged
+        weights, the value the forward uses)."""
+        canonical = canonical_param_names(model_chunks[0], arch := self.arch)
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        tp_group = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
+        dp0 = parallel_state.get_data_parallel_rank() == 0
+        out = {}
+        for local_name, (param, value) in served_parameters(model_chunks[0]).items():
+            name = canonical[local_name]
+            if name not in plan.sender or not dp0 or plan.sender[name] not in tp_group:
+                continue  # not this stage's copy, or another DP replica sends it
+            split = tp_split(param)
+            if split is None and tp_rank != 0:
+                continue  # replicated over TP: TP rank 0 sends it
+            extent = shard_extent(global_shape(param), split, tp_rank, tp_size)
+            blocks = tuple(shard_blocks(arch, name, extent, self.engine_tp))
+            out[name] = _Shard(value, blocks)
+        return out
+
+    # --- the group ---------------------------------------------------------------------------
+    def join(self, engine) -> str:
+        """Make sure the engine's workers and every trainer rank share a group (a fresh one
+        for each engine start); returns a failure ("" when joined)."""
+        state = [None, ""]
+        if self.rank == 0:
+            start = getattr(engine, "start_id", None)
+            if start != self.joined:
+                if self.store is None:
+                    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+                    address = GroupAddress(host, free_port(), "", self.world,
+                                           self.engine_tp, self.backend)
+                    self.store = open_store(address, master=True)
+                    self._address = address
+                state[0] = GroupAddress(**{**self._address.__dict__,
+                                           "prefix": f"mlogra-direct/{start}/"})
+        dist.broadcast_object_list(state, src=0)
+        address = state[0]
+        if address is None:
+            return ""
+        self.group = None  # the old group's workers are gone
+        failed = ""
+        if self.rank == 0:
+            try:
+                engine.begin_join(address)
+            except EngineError as exc:
+                failed = str(exc)
+        if not _agree(failed):
+            try:
+                self.group = join_group(address, self.rank, self.store if self.rank == 0
+                                        else None, self.device)
+            except RuntimeError as exc:
+                failed = f"joining the direct weight group: {exc}"
+            if self.rank == 0:
+                try:
+                    engine.end_call()
+                except EngineError as exc:
+                    failed = failed or str(exc)
+        failed = _agree(failed)
+        if not failed and self.rank == 0:
+            self.joined = getattr(engine, "start_id", None)
+        if failed:
+            self.group = None
+        return failed
+
+    def close(self) -> None:
+        self.group = self.store = None
+
+    # --- pushes ------------------------------------------------------------------------------
+    def full(self, engine, version: int, names: list[str] | None = None,
+             record: bool = False) -> Delivery:
+        """Every parameter (or ``names``, canonical), then the commit. ``record``: keep
+        each shard as sent (the base of sparse deltas)."""
+        wanted = self._buckets(names)
+
+        def rounds():
+            for bucket in wanted:
+                yield self._blocks_round(bucket, record)
+        return self._deliver(engine, Transport.FULL, version, len(wanted), rounds())
+
+    def sparse(self, engine, version: int) -> Delivery:
+        """The changed engine-dtype elements of every shard against its shadow."""
+        return self._deliver(engine, Transport.SPARSE_DELTA, version, 1,
+                             iter([self._sparse_round()]))
+
+    def sketch(self, engine, version: int, optimizer, unsketched: list[str]) -> Delivery:
+        """This rank's rows of D per worker, then the unsketched tensors that train."""
+        buckets = self._buckets(unsketched) if unsketched else []
+
+        def rounds():
+            yield self._sketch_round(optimizer)
+            for bucket in buckets:
+                yield self._blocks_round(bucket, record=False)
+        return self._deliver(engine, Transport.SKETCH_DELTA, version, 1 + len(buckets),
+                             rounds())
+
+    # --- one push: ask, then every rank sends while the workers receive --------------------
+    def _deliver(self, engine, kind: str, version: int, count: int,
+                 rounds: Iterator[list[Outbox]]) -> Delivery:
+        failed = self.join(engine)
+        if failed:
+            return Delivery(failed=failed)
+        status = ["", ""]  # [refused, failed]: rank 0's answer from the engine
+        if self.rank == 0:
+            try:
+                engine.expect(kind, base_version=None if kind == Transport.FULL else version - 1)
+                engine.begin_receive(count)
+            except PushRefused as exc:
+                status[0] = str(exc)
+            except EngineError as exc:
+                status[1] = str(exc)
+        dist.broadcast_object_list(status, src=0)
+        if status[0] or status[1]:
+            return Delivery(refused=status[0], failed=status[1])
+        failed, received = "", 0
+        for outboxes in rounds:
+            try:
+                self._send(outboxes)
+            except RuntimeError as exc:  # the engine died: its sockets closed
+                failed = f"direct weight send: {exc}"
+                break
+        if self.rank == 0:
+            try:
+                received = engine.end_call()
+            except EngineError as exc:
+                failed = str(exc)
+        failed = _agree(failed)
+        if not failed and self.rank == 0:
+            try:
+                engine.commit(version)
+            except EngineError as exc:
+                failed = str(exc)
+        failed = _agree(failed)
+        if failed:
+            self.group, self.joined = None, None
+        return Delivery(failed=failed, sent=received)
+
+    def _send(self, outboxes: list[Outbox]) -> None:
+        works = []
+        for worker, box in enumerate(outboxes):
+            meta, tensors = box.pack(self.dtype, self.device)
+            works += send_message(self.group, self.world + worker, meta, tensors, self.device)[0]
+        for work in works:
+            work.wait()
+
+    # --- what goes in a round ---------------------------------------------------------------
+    def _buckets(self, names: list[str] | None) -> list[list[str]]:
+        """Canonical names (all, or ``names``) in canonical order, cut where the HF bytes in
+        the engine dtype reach the bucket size: the same on every rank."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        wanted = None if names is None else set(names)
+        out, size = [[]], 0
+        for name in megatron_param_names(self.arch):
+            if wanted is not None and name not in wanted:
+                continue
+            if size >= self.bucket_bytes:
+                out.append([])
+                size = 0
+            out[-1].append(name)
+            for seg in row_segments(self.arch, name):
+                if seg.hf_name is not None:
+                    shape = self.hf_shapes[seg.hf_name]
+                    size += seg.rows * (shape[1] if len(shape) == 2 else 1) * item
+        return [b for b in out if b]
+
+    def _outboxes(self) -> list[Outbox]:
+        return [Outbox() for _ in range(self.engine_tp)]
+
+    @torch.no_grad()
+    def _blocks_round(self, names: list[str], record: bool) -> list[Outbox]:
+        boxes = self._outboxes()
+        for name in names:
+            shard = self.shards.get(name)
+            if shard is None:
+                continue
+            value = shard.value().to(self.dtype)
+            if record:
+                self.shadow[name] = value.clone()
+            for block in shard.blocks:
+                boxes[block.worker].add_block(block, value)
+        return boxes
+
+    @torch.no_grad()
+    def _sparse_round(self) -> list[Outbox]:
+        boxes = self._outboxes()
+        item = torch.empty((), dtype=self.dtype).element_size()
+        for name, shard in self.shards.items():
+            new = shard.value().to(self.dtype)
+            old = self.shadow.get(name)
+            if old is None:
+                raise RuntimeError(f"sparse delta: {name} was never pushed in full from "
+                                   f"rank {self.rank}")
+            bits = _BITS[new.dtype]
+            changed = new.view(bits) != old.view(bits)
+            self.shadow[name] = new.clone()
+            for block in shard.blocks:
+                inside = changed[block.src_row:block.src_row + block.rows]
+                values = new[block.src_row:block.src_row + block.rows]
+                if block.cols is not None:
+                    inside = inside[:, block.src_col:block.src_col + block.cols]
+                    values = values[:, block.src_col:block.src_col + block.cols]
+                where = inside.reshape(-1).nonzero().squeeze(1)
+                if where.numel() == 0:
+                    continue
+                if where.numel() * (4 + item) >= block.numel * item:  # denser than the block
+                    boxes[block.worker].add_block(block, new)
+                    continue
+                boxes[block.worker].add_set(block.param, _worker_index(block, where),
+                                            values.reshape(-1)[where])
+        return boxes
+
+    def _sketch_round(self, optimizer) -> list[Outbox]:
+        boxes = self._outboxes()
+        for u in owned_updates(optimizer):
+            rows = u.rows
+            for worker, mask in enumerate(worker_rows(self.arch, u.name, rows, self.engine_tp)):
+                if bool(mask.any()):
+                    boxes[worker].updates.append(RowsUpdate(
+                        u.name, encode_rows(rows[mask]), u.d[mask].contiguous(), u.coefficient,
+                        u.seed, u.rank, u.kind))
+        return boxes
+
+
+def _worker_index(block: Block, where: torch.Tensor) -> torch.Tensor:
+    """Flat indices, within ``block`` (row-major), -> flat indices into the worker's
+    parameter, whose rows are ``block.dst_width`` wide (1-D: one element per row)."""
+    if block.cols is None:
+        return where + block.dst_row
+    rows, cols = where // block.cols, where % block.cols
+    return (rows + block.dst_row) * block.dst_width + cols + block.dst_col
+
+
+def _agree(failed: str) -> str:
+    """The first failure any rank saw ("" when none), on every rank."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, failed)
+    return next((f for f in everyone if f), "")

@@ -1,0 +1,93 @@
+"""A torch.distributed group between the trainer ranks and the vLLM workers (direct channel).
+
+Neither side's default group can hold the other: the trainer's world is its own ranks,
+and every vLLM worker already sits in vLLM's world. So the group is a standalone backend
+object (``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on CUDA) over a ``TCPStore``
+served by trainer rank 0, as vLLM's ``stateless_init_torch_distributed_process_group``
+(used by NeMo-RL, OpenRLHF and TRL for the same purpose) builds it; it touches no global
+state. Group ranks: trainer rank r is r, engine TP rank t is ``trainers + t``.
+
+A message is (meta, tensors): a length, the pickled (meta, tensor specs), then each
+tensor raw. Point-to-point only, in a fixed order per pair, so a receiver needs no
+plan of its own.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class GroupAddress:
+    """Everything a member needs to join (picklable: it crosses the engine pipe)."""
+
+    host: str  # where trainer rank 0's store listens
+    port: int
+    prefix: str  # one per engine start: a restarted engine joins a fresh group
+    trainers: int  # trainer ranks (group ranks 0..trainers-1)
+    workers: int  # engine TP ranks (group ranks trainers..)
+    backend: str  # gloo | nccl
+    timeout_s: float = 600.0
+
+    @property
+    def size(self) -> int:
+        return self.trainers + self.workers
+
+
+def open_store(address: GroupAddress, master: bool) -> dist.TCPStore:
+    """Trainer rank 0 serves the store (``master``); every other member connects."""
+    return dist.TCPStore(address.host, address.port, None, master,
+                         timedelta(seconds=address.timeout_s), wait_for_workers=False)
+
+
+def join_group(address: GroupAddress, rank: int, store: dist.TCPStore | None = None,
+               device: torch.device | None = None):
+    """This member's backend of the group (blocks until every member joined)."""
+    store = store if store is not None else open_store(address, master=False)
+    prefixed = dist.PrefixStore(address.prefix, store)
+    timeout = timedelta(seconds=address.timeout_s)
+    if address.backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, address.size, timeout)
+    if address.backend != "nccl":
+        raise ValueError(f"direct weight channel: backend {address.backend!r} (gloo or nccl)")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    group = dist.ProcessGroupNCCL(prefixed, rank, address.size, options)
+    if device is not None:  # NCCL connects lazily: bind the communicator to this device
+        group.eager_connect_single_device(device)
+    return group
+
+
+def send_message(group, dst: int, meta, tensors: list[torch.Tensor],
+                 device: torch.device) -> tuple[list, int]:
+    """Post the sends of one message to group rank ``dst``: (works to wait on, bytes).
+    ``tensors`` must be on ``device`` (NCCL: the CUDA device; gloo: cpu)."""
+    specs = [(t.dtype, t.numel()) for t in tensors]
+    header = torch.frombuffer(bytearray(pickle.dumps((meta, specs))), dtype=torch.uint8)
+    parts = [torch.tensor([header.numel()], dtype=torch.int64, device=device),
+             header.to(device)] + [t.contiguous().view(-1) for t in tensors if t.numel()]
+    works = [group.send([p], dst, 0) for p in parts]
+    return works, sum(p.numel() * p.element_size() for p in parts)
+
+
+def recv_message(group, src: int, device: torch.device):
+    """One message from group rank ``src``: (meta, tensors on ``device``, bytes)."""
+    length = torch.empty(1, dtype=torch.int64, device=device)
+    group.recv([length], src, 0).wait()
+    header = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    group.recv([header], src, 0).wait()
+    meta, specs = pickle.loads(header.cpu().numpy().tobytes())
+    tensors = []
+    for dtype, numel in specs:
+        t = torch.empty(numel, dtype=dtype, device=device)
+        if numel:
+            group.recv([t], src, 0).wait()
+        tensors.append(t)
+    size = 8 + header.numel() + sum(t.numel() * t.element_size() for t in tensors)
+    return meta, tensors, size
+
