@@ -5,7 +5,9 @@
 Every case is one torchrun job (DP2 on gloo, the tiny model, a real vLLM engine, with
 the RL settings of ``tests/distributed/test_rl_faults.py``: LoGRA, sketch-delta sync,
 bf16, predicted-KL control, 4 updates, a checkpoint every 2) under ``--max-restarts 1``,
-meeting one fault (``runtime.faults``, or a checkpoint damaged before the job starts),
+meeting one fault (``runtime.faults``, or a checkpoint damaged before the job starts;
+the ``direct-*`` cases send the weights over the direct channel, the reference does not:
+their engines must still end up with the same weights),
 with a tag in its environment that every process it starts inherits
 (``tests/distributed/fault_launch.py``). An uninterrupted job is the reference. Per case:
 
@@ -59,7 +61,19 @@ INJECTED = {
                                    "sketch-delta push (applied, not committed)"),
     "engine-dies-mid-full-push": ("engine-full-push@3", "the engine dies in update 3's full "
                                   "(anchor) push, its first bucket loaded, not committed"),
+    # the same job over the direct channel (every rank sends each vLLM worker its pieces)
+    "direct-engine-dies-mid-rollout": ("engine-generate@2", "direct channel: the engine "
+                                       "dies in update 2's rollouts"),
+    "direct-engine-dies-mid-delta-push": ("engine-delta-push@2", "direct channel: the engine "
+                                          "dies in update 2's sketch-delta push (received, "
+                                          "not committed)"),
+    "direct-engine-dies-mid-full-push": ("engine-full-push@3", "direct channel: the engine "
+                                         "dies in update 3's full (anchor) push, received, "
+                                         "not committed"),
+    "direct-rank1-dies-mid-sync": ("sync@3:1", "direct channel: trainer rank 1 dies as "
+                                   "update 3's weight push starts"),
 }
+DIRECT = ["--weight-sync-channel", "direct"]  # the cases named direct-*
 # case -> (how the newest checkpoint of a finished reference job is damaged, description)
 DAMAGED = {
     "truncated-shard": ("truncate", "a shard of the newest checkpoint is truncated"),
@@ -171,7 +185,8 @@ def main() -> None:
         run = tmp / name
         if name in INJECTED:
             fault, what = INJECTED[name]
-            job = launch(tmp, name, _argv(run), fault=fault)
+            extra = DIRECT if name.startswith("direct-") else []
+            job = launch(tmp, name, _argv(run, *extra), fault=fault)
             got = _measure(name, job, run, reference)
         else:
             how, what = DAMAGED[name]

@@ -61,6 +61,19 @@ def _check_objective(rl: RLConfig, training: TrainingConfig, dp: int) -> None:
                          "groups a non-zero advantage)")
 
 
+def _check_remote_engine(rl: RLConfig) -> None:
+    from megatron_logra.bridge.engine_host import engine_key, split_address
+
+    split_address(rl.rollout_engine_address)
+    if rl.sync.channel != "direct":
+        raise ValueError("--rollout-engine-address puts the engine on another node: its "
+                         "weights must travel over --weight-sync-channel direct")
+    if rl.rollout_placement != "inherit":
+        raise ValueError("--rollout-placement places the engine on node 0; with "
+                         "--rollout-engine-address it runs on its own node: drop it")
+    engine_key()
+
+
 def check_rl(rl: RLConfig, training: TrainingConfig, opt: OptimizerConfig, dp: int) -> None:
     """Raise ValueError naming the flags and the fix (single-flag ranges are checked by
     ``flags`` already)."""
@@ -75,6 +88,8 @@ def check_rl(rl: RLConfig, training: TrainingConfig, opt: OptimizerConfig, dp: i
     if rl.verifier_timeout_s <= 0 or rl.rollout_kv_cache_gib <= 0:
         raise ValueError("--verifier-timeout and --rollout-kv-cache-gib must be > 0")
     check_placement_flags(rl.rollout_placement, rl.rollout_devices)
+    if rl.rollout_engine_address:
+        _check_remote_engine(rl)
     kl = rl.kl
     if not 0 < kl.budget_end <= kl.budget_start:
         raise ValueError("need 0 < --kl-budget-final <= --kl-budget")

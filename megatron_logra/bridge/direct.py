@@ -71,6 +71,7 @@ class DirectChannel:
         self.shadow: dict[str, torch.Tensor] = {}  # sparse deltas: what each shard last sent
         self.group = self.store = None
         self.joined = None  # the engine start the group was built with
+        self.sent_here = 0  # bytes this rank has sent (benchmarks)
         self.hf_shapes = hf_param_shapes(arch)
 
     def _my_shards(self, model_chunks, plan) -> dict[str, _Shard]:
@@ -215,7 +216,10 @@ class DirectChannel:
         works = []
         for worker, box in enumerate(outboxes):
             meta, tensors = box.pack(self.dtype, self.device)
-            works += send_message(self.group, self.world + worker, meta, tensors, self.device)[0]
+            posted, size = send_message(self.group, self.world + worker, meta, tensors,
+                                        self.device)
+            works += posted
+            self.sent_here += size
         for work in works:
             work.wait()
 

@@ -42,21 +42,31 @@ class RolloutEngine:
         self._start()
 
     def _start(self) -> None:
-        ctx = tmp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
         t0 = time.perf_counter()
-        # vLLM's TP executor starts worker processes, which a daemonic process may not: a
-        # TP > 1 engine is not daemonic, and is killed at exit (before multiprocessing
-        # would wait for it); it also exits by itself when this end of the pipe closes
-        daemon = self.cfg.tensor_parallel_size == 1
         _ENGINE_STARTS[0] += 1
         self.start_id = _ENGINE_STARTS[0]
-        self._proc = ctx.Process(target=serve, args=(child, self.cfg, _ENGINE_STARTS[0]),
-                                 daemon=daemon)
-        self._proc.start()
-        if not daemon:
-            atexit.register(self._kill)
-        child.close()
+        if self.cfg.remote:  # on another node, behind ``engine_host``
+            from megatron_logra.bridge.engine_host import connect
+
+            try:
+                self._conn = connect(self.cfg.remote, self.cfg, self.start_id)
+            except OSError as exc:
+                raise EngineError(f"no engine host at {self.cfg.remote} ({exc}): start "
+                                  f"python -m megatron_logra.bridge.engine_host there") from None
+            self._proc = _RemoteEngine(self._conn)
+        else:
+            ctx = tmp.get_context("spawn")
+            self._conn, child = ctx.Pipe()
+            # vLLM's TP executor starts worker processes, which a daemonic process may not:
+            # a TP > 1 engine is not daemonic, and is killed at exit (before multiprocessing
+            # would wait for it); it also exits by itself when this end of the pipe closes
+            daemon = self.cfg.tensor_parallel_size == 1
+            self._proc = ctx.Process(target=serve, args=(child, self.cfg, self.start_id),
+                                     daemon=daemon)
+            self._proc.start()
+            if not daemon:
+                atexit.register(self._kill)
+            child.close()
         self._call_raw(None, None, self.cfg.startup_timeout_s)
         self.startup_s = time.perf_counter() - t0
         self.version = -1 if self.cfg.load_format == "dummy" else 0
@@ -249,3 +259,23 @@ class RolloutEngine:
                 pass
             self._proc.join(30)
         self._kill()
+
+
+class _RemoteEngine:
+    """What ``RolloutEngine`` needs of its engine's process when the engine runs behind an
+    ``engine_host`` on another node: ending it closes the connection (the engine exits at
+    EOF; the host also ends it before starting the next one)."""
+
+    exitcode = None
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def is_alive(self) -> bool:
+        return not self.conn.closed
+
+    def kill(self) -> None:
+        self.conn.close()
+
+    def join(self, timeout: float | None = None) -> None:
+        pass

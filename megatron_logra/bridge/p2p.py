@@ -32,7 +32,7 @@ class GroupAddress:
     trainers: int  # trainer ranks (group ranks 0..trainers-1)
     workers: int  # engine TP ranks (group ranks trainers..)
     backend: str  # gloo | nccl
-    timeout_s: float = 600.0
+    timeout_s: float = 300.0  # joining, and each message
 
     @property
     def size(self) -> int:

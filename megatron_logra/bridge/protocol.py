@@ -146,6 +146,9 @@ class EngineConfig:
     # "dummy": start from random weights, the first push brings the real ones (the direct
     # channel: no weights file on the engine's node, no rank holding the whole model)
     load_format: str = "auto"
+    # "HOST:PORT": the engine runs on another node, behind ``engine_host`` (the direct
+    # channel carries the weights; only tensor-free messages cross the connection)
+    remote: str = ""
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 1800.0
 

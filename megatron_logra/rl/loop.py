@@ -164,7 +164,8 @@ class RLRun:
             lora_rank=self.weights.engine_lora_rank, env=tuple(self.placement.env.items()),
             cpu_cores=self.placement.engine_cores,
             sleep_mode=self.placement.sleep_mode,
-            load_format="dummy" if self.weights.direct else "auto")
+            load_format="dummy" if self.weights.direct else "auto",
+            remote=rl.rollout_engine_address)
         print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",
               flush=True)
         verifier = Verifier(VerifierConfig(reward=rl.reward, timeout_s=rl.verifier_timeout_s))

@@ -8,13 +8,16 @@ TP2 x PP2, TP2 (norms frozen)): four RL updates, pushed as
 sparse-delta, sketch-delta, sketch-delta, full (``TRANSPORTS``; the start-up push is full). After
 every push rank 0 compares the engine's held HF tensors with the trainer's weights
 (gathered to HF tensors) element by element, and at the end the logprobs; it checks
-that a delta on the wrong base version is refused with the engine still serving.
+that a delta on the wrong base version is refused with the engine still serving. Each
+layout runs twice: over the rank-0 pipe, and over the direct channel
+(``--weight-sync-channel direct``) with the engine killed once on the way.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import json
+import os
 import sys
 from dataclasses import replace
 
@@ -37,10 +40,19 @@ TRAINERS = {1: {"tp1": []}, 2: {"tp2": TP2, "pp2": PP2}, 4: {"tp2pp2": [*TP2, *P
 # both splits at once, and each TP2 engine costs ~50 s of the suite's 40-minute budget.
 ADAM = ["--logra-untargeted", "adam"]
 INTO_ENGINE_TP2 = ("tp2pp2",)
-LAYOUTS = {world: {**{name: [*flags, *ADAM] for name, flags in layouts.items()},
-                   **{f"{name}_engine_tp2": [*flags, *ENGINE_TP2]
-                      for name, flags in layouts.items() if name in INTO_ENGINE_TP2}}
-           for world, layouts in TRAINERS.items()}
+PIPE_LAYOUTS = {world: {**{name: [*flags, *ADAM] for name, flags in layouts.items()},
+                        **{f"{name}_engine_tp2": [*flags, *ENGINE_TP2]
+                           for name, flags in layouts.items() if name in INTO_ENGINE_TP2}}
+                for world, layouts in TRAINERS.items()}
+# each layout again over the direct channel (every rank sends each vLLM worker its own
+# pieces), with the engine killed before update 3's rollouts: it restarts on dummy
+# weights, joins a fresh group and is resynced in full
+DIRECT = ["--weight-sync-channel", "direct"]
+KILL_BEFORE_UPDATE = 2
+REMOTE = "pp2_direct"  # its engine behind an engine host when the launch names one
+LAYOUTS = {world: {**layouts, **{f"{name}_direct": [*flags, *DIRECT]
+                                 for name, flags in layouts.items()}}
+           for world, layouts in PIPE_LAYOUTS.items()}
 TRANSPORTS = ["sparse-delta", "sketch-delta", "sketch-delta", "full"]
 
 
@@ -59,7 +71,7 @@ def _differing(run) -> list[str] | None:
     return sorted(n for n in mine if not torch.equal(mine[n], theirs[n]))
 
 
-def _check_layout(argv: list[str]) -> dict:
+def _check_layout(argv: list[str], kill_engine: bool = False) -> dict:
     from megatron_logra.cli import parse_run_config
     from megatron_logra.bridge.protocol import PushRefused
     from megatron_logra.rl.loop import RLRun
@@ -71,6 +83,8 @@ def _check_layout(argv: list[str]) -> dict:
         run.weights.track_changes()  # the sparse-delta base: recorded by the next full push
         run.push_weights(transport="full")
         for update, transport in enumerate(TRANSPORTS):
+            if kill_engine and update == KILL_BEFORE_UPDATE and dist.get_rank() == 0:
+                run.engine.kill_for_test()
             samples, _ = run.rollout_batch(update)
             samples = [replace(s, advantage=1.0 if k % 2 else -1.0) for k, s in enumerate(samples)]
             run.train(samples, update)
@@ -97,6 +111,7 @@ def _check_layout(argv: list[str]) -> dict:
                 out["refused"] = "push full weights" in str(exc)
             out["serving_after_refusal"] = run.engine.engine_version() == run.version
         out["fingerprint_mismatches"] = run.sync.fingerprint_mismatches
+        out["restarts"] = run.sync.restarts
     finally:
         run.close()
     return out
@@ -111,7 +126,12 @@ def main() -> None:
     rt = init_runtime()
     result = {}
     for name, flags in LAYOUTS[rt.world_size].items():
-        result[name] = _check_layout([*BASE, *flags, "--output-dir", f"{run_dir}/{name}"])
+        remote = os.environ.get("BRIDGE_REMOTE_ENGINE", "") if name == REMOTE else ""
+        if remote:  # the engine runs behind the test's engine host ("another node")
+            flags = [*flags, "--rollout-engine-address", remote]
+        result[name] = _check_layout([*BASE, *flags, "--output-dir", f"{run_dir}/{name}"],
+                                     kill_engine=name.endswith("_direct"))
+        result[name]["remote_engine"] = bool(remote)
         if rt.rank == 0:
             print(f"[bridge] {name}: {result[name]}", flush=True)
     if rt.rank == 0:
