@@ -12,15 +12,16 @@ tokenizer: no shared file system needed; the weights come with the first push, o
 the direct channel). The host starts ``engine_server.serve`` on that connection in a
 process of its own and goes back to listening. One engine at a time: a new connection
 (the trainer restarting its engine) ends the running one first. The engine process
-answers the same commands as one spawned beside rank 0; only tensor-free messages may
-cross between nodes (pushes go over the direct channel's group, which the engine's
-workers join at trainer rank 0's ``MASTER_ADDR``).
+answers the same commands as one spawned beside rank 0, its messages pickled by value
+(``protocol.ByValueConnection``); pushes go over the direct channel's group, which the
+engine's workers join at trainer rank 0's ``MASTER_ADDR``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import shutil
 import tempfile
 from dataclasses import replace
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch.multiprocessing as tmp
 
 from megatron_logra.bridge.engine_server import serve
+from megatron_logra.bridge.protocol import ByValueConnection
 
 KEY_ENV = "MEGATRON_LOGRA_ENGINE_KEY"
 
@@ -57,7 +59,7 @@ def model_files(model_dir: str) -> dict[str, bytes]:
 
 def connect(address: str, cfg, start_id: int):
     """Trainer rank 0: a connection to the engine host, the engine starting behind it."""
-    conn = Client(split_address(address), authkey=engine_key())
+    conn = ByValueConnection(Client(split_address(address), authkey=engine_key()))
     conn.send((cfg, start_id, model_files(cfg.model_dir)))
     return conn
 
@@ -72,8 +74,8 @@ def host(listen: str) -> None:
         while True:
             conn = listener.accept()
             try:
-                cfg, start_id, files = conn.recv()
-            except (EOFError, OSError):
+                cfg, start_id, files = ByValueConnection(conn).recv()
+            except (EOFError, OSError, pickle.UnpicklingError):
                 conn.close()
                 continue
             if running is not None:  # the trainer restarts its engine

@@ -24,7 +24,7 @@ import torch
 
 from megatron_logra.bridge.engine_lora import ServedAdapter, lora_options
 from megatron_logra.bridge.protocol import (IN_FLIGHT, LIVE_WEIGHTS_ENV, WORKER_EXTENSION,
-                                            Command, Completion, EngineConfig, PushInFlight,
+                                            ByValueConnection, Command, Completion, EngineConfig, PushInFlight,
                                             PushRefused, Reply, SampleRequest, WorkerRPC,
                                             call_workers)
 from megatron_logra.runtime.faults import engine_fault
@@ -35,6 +35,8 @@ def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
     """The engine process: build vLLM, then answer (command, payload) messages.
     ``engine_start``: how many engines the trainer has started, this one included
     (``runtime.faults`` injects its k-th engine fault into the k-th engine)."""
+    if cfg.remote:  # behind an engine host: tensors cross by value (``ByValueConnection``)
+        conn = ByValueConnection(conn)
     die_with_parent()  # a killed trainer rank leaves no engine behind (vLLM's TP workers
     # follow this process through their death pipe)
     own_resource_tracker()  # vLLM's shared-memory queues go when this engine does

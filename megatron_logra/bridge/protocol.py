@@ -16,6 +16,7 @@ the pipe through torch.multiprocessing's shared memory.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -116,6 +117,33 @@ class WorkerRPC(StrEnum):
     RECEIVE = "mlogra_receive"
 
 
+class ByValueConnection:
+    """A ``multiprocessing.connection.Connection`` whose messages carry tensors by value.
+    ``Connection.send`` pickles with multiprocessing's ForkingPickler, through which torch
+    shares a tensor as a file descriptor the receiver fetches from the sender's process
+    tree; between an engine host's engine and the trainer (other nodes, other process
+    trees) that fails, so this connection pickles plainly."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def send(self, obj) -> None:
+        self.conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def recv(self):
+        return pickle.loads(self.conn.recv_bytes())
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self.conn.poll(timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self.conn.closed
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 def call_workers(llm, rpc: WorkerRPC, *args) -> list:
     """Run ``rpc`` on every worker of ``llm`` (vLLM's ``LLM``): one result per worker."""
     return llm.collective_rpc(rpc.value, args=args)
@@ -147,7 +175,7 @@ class EngineConfig:
     # channel: no weights file on the engine's node, no rank holding the whole model)
     load_format: str = "auto"
     # "HOST:PORT": the engine runs on another node, behind ``engine_host`` (the direct
-    # channel carries the weights; only tensor-free messages cross the connection)
+    # channel carries the weights; messages cross the socket pickled by value)
     remote: str = ""
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 1800.0
