@@ -58,6 +58,12 @@ class OptimizerConfig:
     """Global grad-norm clip; 0 disables clipping (it never zeroes grads)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state and fp32 master weights over data parallel."""
+    optimizer_cpu_offload: bool = False
+    """CUDA: keep Adam's state (a fraction of it, --optimizer-offload-fraction) and its
+    update in host memory (megatron-core's HybridDeviceOptimizer), freeing GPU memory,
+    e.g. for a colocated rollout engine."""
+    optimizer_offload_fraction: float = field(default=1.0, metadata=flag_spec(minimum=0))
+    """With --optimizer-cpu-offload: the fraction of Adam's state kept on the host."""
     peft: Literal["none", "lora"] = "none"
     """Parameter-efficient fine-tuning: lora trains low-rank adapters (--lora-*) on the
     frozen base with --optimizer adam."""

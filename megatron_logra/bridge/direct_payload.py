@@ -13,7 +13,8 @@ A message carries up to three kinds of content, in this order:
   column, bit-identical to the trainer's step).
 
 Meta: {"blocks": [(param, dst_row, rows, dst_col, cols)], "sets": [(param, count)],
-"updates": [RowsUpdate]}; tensors: [block values, set indices (int64), set values].
+"updates": [RowsUpdate]}; tensors: [block values, set indices (int32, or int64 past
+2^31), set values].
 """
 
 from __future__ import annotations
@@ -56,13 +57,15 @@ class Outbox:
         return not (self.blocks or self.sets or self.updates)
 
     def pack(self, dtype: torch.dtype, device: torch.device) -> tuple[dict, list[torch.Tensor]]:
-        """(meta, tensors on ``device``) of the message."""
+        """(meta, tensors on ``device``) of the message; indices in int32 when they fit."""
         def cat(parts, kind):
             return (torch.cat(parts) if parts else torch.zeros(0, dtype=kind)).to(device)
 
+        indices = cat(self.set_indices, torch.int64)
+        if indices.numel() and int(indices.max()) < 2**31:
+            indices = indices.to(torch.int32)
         meta = {"blocks": self.blocks, "sets": self.sets, "updates": self.updates}
-        return meta, [cat(self.block_values, dtype), cat(self.set_indices, torch.int64),
-                      cat(self.set_values, dtype)]
+        return meta, [cat(self.block_values, dtype), indices, cat(self.set_values, dtype)]
 
 
 def check_message(meta: dict, tensors: list[torch.Tensor],
@@ -118,8 +121,8 @@ def apply_message(meta: dict, tensors: list[torch.Tensor], params: dict[str, tor
     for param, n in meta["sets"]:
         target = params[param]
         flat = target.view(-1)
-        flat[indices[start:start + n].to(target.device)] = set_values[start:start + n].to(
-            target.device)
+        flat[indices[start:start + n].to(target.device, torch.int64)] = set_values[
+            start:start + n].to(target.device)
         start += n
     if meta["updates"]:
         apply_updates(meta["updates"])

@@ -35,6 +35,7 @@ from megatron_logra.lora.model_spec import LoraAdapters
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.provider import ModelBuildConfig, build_gpt_model
 from megatron_logra.patches import apply_all as apply_megatron_patches
+from megatron_logra.runtime.device import current_device
 from megatron_logra.runtime.phase_times import PHASES
 
 
@@ -63,13 +64,27 @@ def build_optimizer(model: list[DistributedDataParallel], cfg: OptimizerConfig, 
     the unsketched ones under LoGRA)."""
     if cfg.name not in ("adam", "logra"):
         raise ValueError(f"optimizer {cfg.name!r} is not built here")
-    mcfg = McoreOptimizerConfig(
+    return get_megatron_optimizer(megatron_optimizer_config(cfg, bf16), model)
+
+
+def megatron_optimizer_config(cfg: OptimizerConfig, bf16: bool) -> McoreOptimizerConfig:
+    """megatron-core's optimizer settings for ``cfg`` (``--optimizer-cpu-offload``: its
+    HybridDeviceOptimizer, CUDA only: on CPU the state is in host memory already)."""
+    if cfg.optimizer_cpu_offload and current_device().type != "cuda":
+        raise ValueError("--optimizer-cpu-offload moves Adam's state from the GPU to the "
+                         "host; this run is on CPU, where it is there already: drop it")
+    if not 0 <= cfg.optimizer_offload_fraction <= 1:
+        raise ValueError(f"--optimizer-offload-fraction {cfg.optimizer_offload_fraction} "
+                         f"must lie in [0, 1]")
+    offload = dict(optimizer_cpu_offload=True,
+                   optimizer_offload_fraction=cfg.optimizer_offload_fraction,
+                   ) if cfg.optimizer_cpu_offload else {}
+    return McoreOptimizerConfig(
         optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
         clip_grad=cfg.clip_grad, bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=cfg.use_distributed_optimizer)
-    return get_megatron_optimizer(mcfg, model)
+        use_distributed_optimizer=cfg.use_distributed_optimizer, **offload)
 
 
 def build_scheduler(optimizer, cfg: OptimizerConfig, train_iters: int) -> OptimizerParamScheduler:

@@ -153,3 +153,7 @@ def test_transport_choice_falls_back_to_full_when_a_delta_cannot_apply():
     assert choose_transport("sketch-delta", **dict(kw, anchor_interval=7)) == "full"
     assert choose_transport("sketch-delta", version=8, engine_version=7, shadow_version=None,
                             anchor_interval=7) == "sketch-delta"
+    # an engine on dummy weights (the direct channel's start) serves nothing yet: -1 is
+    # not the version before a first push of version 0
+    assert choose_transport("sketch-delta", version=0, engine_version=-1, shadow_version=None,
+                            anchor_interval=0) == "full"

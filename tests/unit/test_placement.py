@@ -109,3 +109,21 @@ def test_the_direct_channel_and_a_remote_engine_are_checked_at_parse(monkeypatch
     monkeypatch.setenv("MEGATRON_LOGRA_ENGINE_KEY", "secret")
     cfg = parse_run_config([*rl, *remote, *direct], world_size=1)
     assert cfg.rl.rollout_engine_address == "engine-node:29600"
+
+
+def test_optimizer_cpu_offload_reaches_megatron_on_cuda_and_is_refused_on_cpu(monkeypatch):
+    """Colocated runs free GPU memory for the engine with megatron-core's CPU offload of
+    Adam's state: the flags become its OptimizerConfig; on CPU there is nothing to move."""
+    import torch
+
+    from megatron_logra.training import setup
+
+    cfg = parse_run_config(["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5",
+                            "--use-distributed-optimizer"], world_size=1).optimizer
+    with pytest.raises(ValueError, match="this run is on CPU.*drop it"):
+        setup.megatron_optimizer_config(cfg, bf16=True)
+    monkeypatch.setattr(setup, "current_device", lambda: torch.device("cuda", 0))
+    mcfg = setup.megatron_optimizer_config(cfg, bf16=True)
+    assert (mcfg.optimizer_cpu_offload, mcfg.optimizer_offload_fraction) == (True, 0.5)
+    plain = parse_run_config([], world_size=1).optimizer
+    assert not setup.megatron_optimizer_config(plain, bf16=True).optimizer_cpu_offload
