@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,7 @@ class DirectChannel:
         self.shards = self._my_shards(model_chunks, plan)
         self.shadow: dict[str, torch.Tensor] = {}  # sparse deltas: what each shard last sent
         self.group = self.store = None
+        self.address: GroupAddress | None = None  # rank 0: its store's (prefix set per join)
         self.joined = None  # the engine start the group was built with
         self.sent_here = 0  # bytes this rank has sent (benchmarks)
         self.hf_shapes = hf_param_shapes(arch)
@@ -82,10 +83,11 @@ class DirectChannel:
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         tp_group = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
         dp0 = parallel_state.get_data_parallel_rank() == 0
+        base = set(megatron_param_names(arch))  # not LoRA's adapters: merged into these
         out = {}
         for local_name, (param, value) in served_parameters(model_chunks[0]).items():
             name = canonical[local_name]
-            if name not in plan.sender or not dp0 or plan.sender[name] not in tp_group:
+            if name not in base or not dp0 or plan.sender[name] not in tp_group:
                 continue  # not this stage's copy, or another DP replica sends it
             split = tp_split(param)
             if split is None and tp_rank != 0:
@@ -105,12 +107,10 @@ class DirectChannel:
             if start != self.joined:
                 if self.store is None:
                     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-                    address = GroupAddress(host, free_port(), "", self.world,
-                                           self.engine_tp, self.backend)
-                    self.store = open_store(address, master=True)
-                    self._address = address
-                state[0] = GroupAddress(**{**self._address.__dict__,
-                                           "prefix": f"mlogra-direct/{start}/"})
+                    self.address = GroupAddress(host, free_port(), "", self.world,
+                                                self.engine_tp, self.backend)
+                    self.store = open_store(self.address, master=True)
+                state[0] = replace(self.address, prefix=f"mlogra-direct/{start}/")
         dist.broadcast_object_list(state, src=0)
         address = state[0]
         if address is None:

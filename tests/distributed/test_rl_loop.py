@@ -56,9 +56,10 @@ LAYOUTS = {
                   "--logra-rank", "16", "--logra-targets", "qkv,proj,fc1,fc2,embedding",
                   "--logra-update-ratio", "2e-2", "--algorithm", "reinforce",
                   "--prompts-per-step", "16", "--responses-per-prompt", "1", *KL],
-    # LoRA: the engine gets the merged W + (alpha / r) B A (each TP rank merges its shard)
+    # LoRA: the engine gets the merged W + (alpha / r) B A (each TP rank merges its shard
+    # and sends its pieces straight to the engine: the direct channel)
     "tp2_lora": ["--tensor-model-parallel-size", "2", "--peft", "lora", "--lora-rank", "8",
-                 "--lr", "2e-2", *KL],
+                 "--lr", "2e-2", "--weight-sync-channel", "direct", *KL],
     # LoRA with adapter-only sync: the engine keeps the base and serves the adapter
     # (vLLM's LoRA support); trainer TP2 and PP2
     "tp2_lora_adapter": ["--tensor-model-parallel-size", "2", "--peft", "lora", "--lora-rank",
@@ -68,12 +69,14 @@ LAYOUTS = {
                          *KL],
     # published recipes' switches with LoGRA at DP2: 2 PPO epochs x 2 minibatches (4
     # LoGRA steps per update, clip-higher), GSPO's aggregation, DAPO's dynamic sampling
-    # (at most 2 generation rounds); no KL control (refused with several steps)
+    # (at most 2 generation rounds); no KL control (refused with several steps); the
+    # engine on a core of its own, its weights over the direct channel (DP rank 0 sends)
     "dp2_logra_ppo": ["--optimizer", "logra", "--logra-rank", "16", "--logra-update-ratio",
                       "2e-2", "--ppo-epochs", "2", "--ppo-minibatches", "2",
                       "--clip-ratio-low", "0.2", "--clip-ratio-high", "0.28",
                       "--loss-agg-mode", "seq-mean-token-mean", "--dynamic-sampling",
-                      "--dynamic-sampling-max-rounds", "2", "--rollout-placement", "dedicated"],
+                      "--dynamic-sampling-max-rounds", "2", "--rollout-placement", "dedicated",
+                      "--weight-sync-channel", "direct"],
 }
 # the dedicated engine's core: this machine's last (the trainer ranks get the others)
 ENGINE_CORE = max(os.sched_getaffinity(0))
