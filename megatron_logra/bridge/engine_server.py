@@ -24,9 +24,9 @@ import torch
 
 from megatron_logra.bridge.engine_lora import ServedAdapter, lora_options
 from megatron_logra.bridge.protocol import (IN_FLIGHT, LIVE_WEIGHTS_ENV, WORKER_EXTENSION,
-                                            ByValueConnection, Command, Completion, EngineConfig, PushInFlight,
-                                            PushRefused, Reply, SampleRequest, WorkerRPC,
-                                            call_workers)
+                                            ByValueConnection, Command, Completion,
+                                            EngineConfig, PushInFlight, PushRefused, Reply,
+                                            SampleRequest, WorkerRPC, call_workers)
 from megatron_logra.runtime.faults import engine_fault
 from megatron_logra.runtime.processes import die_with_parent, own_resource_tracker
 
@@ -120,7 +120,8 @@ def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
             continue
         try:
             value = handlers[command](llm, payload)
-            after = direct.fault_point if command == Command.RECEIVE else _FAULT_AFTER.get(command)
+            after = (direct.fault_point if command == Command.RECEIVE
+                     else _FAULT_AFTER.get(command))
             if after:
                 fault(after, committed[0] + 1)
             if command == Command.COMMIT:

@@ -110,7 +110,8 @@ def shard_blocks(arch: ModelArch, name: str, extent: ShardExtent, engine_tp: int
     return out
 
 
-def worker_rows(arch: ModelArch, name: str, rows: torch.Tensor, engine_tp: int) -> list[torch.Tensor]:
+def worker_rows(arch: ModelArch, name: str, rows: torch.Tensor,
+                engine_tp: int) -> list[torch.Tensor]:
     """For each engine TP rank: a bool mask over canonical ``rows`` [n] of parameter
     ``name``, True where that worker holds the row's HF row (any columns of it)."""
     masks = [torch.zeros(rows.numel(), dtype=torch.bool) for _ in range(engine_tp)]
