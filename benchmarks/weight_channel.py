@@ -34,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from _results import mib, save  # noqa: E402
+from sync import _random_microbatches  # noqa: E402
 
 SHAPE = dict(family="llama", hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=4,
              intermediate_size=2816, vocab_size=32000, tie_word_embeddings=False)
@@ -72,17 +73,6 @@ def _engine_dirs(root: Path) -> dict[str, str]:
         (folder / "config.json").write_text(json.dumps(config))
         out[channel] = str(folder)
     return out
-
-
-def _batch(arch, generator, seq: int = 64) -> list[dict]:
-    import torch
-
-    from megatron_logra.model.logits import causal_inputs
-
-    tokens = torch.randint(0, arch.vocab_size, (1, seq), generator=generator)
-    mb = causal_inputs(tokens)
-    mb.update(labels=torch.roll(tokens, -1, 1), loss_mask=torch.ones(1, seq))
-    return [mb]
 
 
 def worker(args) -> None:
@@ -129,11 +119,11 @@ def worker(args) -> None:
                            load_format="dummy" if channel == "direct" else "auto")
         links[channel] = EngineLink(sync, cfg if rt.rank == 0 else None)
         links[channel].push(0, Transport.FULL)  # start-up (the pipe's: written to its folder)
-    generator = torch.Generator().manual_seed(0)
     rows = []
     try:
         for update in range(args.updates):
-            train_step(objs, _batch(arch, generator), seq_length=64, micro_batch_size=1)
+            train_step(objs, _random_microbatches(arch.vocab_size, 64, update), seq_length=64,
+                       micro_batch_size=2)
             version = update + 1
             order = CHANNELS if update % 2 == 0 else CHANNELS[::-1]
             delta = TRANSPORTS[update % 2]

@@ -38,13 +38,12 @@ from megatron_logra.bridge.direct_payload import Outbox
 from megatron_logra.bridge.p2p import GroupAddress, join_group, open_store, send_message
 from megatron_logra.bridge.protocol import Delivery, EngineError, PushRefused, Transport
 from megatron_logra.bridge.sketch_delta import RowsUpdate, encode_rows, owned_updates
+from megatron_logra.bridge.sparse_delta import BITS
 from megatron_logra.bridge.transfer_plan import Block, shard_blocks, shard_extent, worker_rows
 from megatron_logra.model.hf_mapping import hf_param_shapes, megatron_param_names, row_segments
 from megatron_logra.model.provider import canonical_param_names, global_shape, served_parameters
 from megatron_logra.model.sharding import tp_split
 from megatron_logra.runtime.device import current_device, free_port
-
-_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
 @dataclass(frozen=True)
@@ -270,7 +269,7 @@ class DirectChannel:
             if old is None:
                 raise RuntimeError(f"sparse delta: {name} was never pushed in full from "
                                    f"rank {self.rank}")
-            bits = _BITS[new.dtype]
+            bits = BITS[new.dtype]
             changed = new.view(bits) != old.view(bits)
             self.shadow[name] = new.clone()
             for block in shard.blocks:

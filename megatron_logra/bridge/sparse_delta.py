@@ -19,7 +19,8 @@ import torch
 
 from megatron_logra.bridge.vllm_layout import Locate, whole_tensors
 
-_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+"""The integer dtype of each float dtype's width: comparing values bit for bit."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def changed_elements(name: str, new: torch.Tensor, shadow: torch.Tensor) -> Spar
     if new.shape != shadow.shape or new.dtype != shadow.dtype:
         raise ValueError(f"sparse delta {name}: {tuple(new.shape)} {new.dtype} vs the last "
                          f"sync's {tuple(shadow.shape)} {shadow.dtype}")
-    bits = _BITS[new.dtype]
+    bits = BITS[new.dtype]
     flat_new, flat_old = new.reshape(-1), shadow.reshape(-1)
     idx = (flat_new.view(bits) != flat_old.view(bits)).nonzero().squeeze(1)
     index_dtype = torch.int32 if new.numel() < 2**31 else torch.int64
