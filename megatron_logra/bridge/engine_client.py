@@ -21,7 +21,7 @@ import torch.multiprocessing as tmp
 from megatron_logra.bridge.engine_server import serve
 from megatron_logra.bridge.protocol import (IN_FLIGHT, Command, Completion, EngineConfig,
                                             EngineError, PushInFlight, PushRefused, Reply,
-                                            SampleRequest)
+                                            SampleRequest, require_base)
 
 
 _ENGINE_STARTS = [0]  # engines this process has started (``runtime.faults``: the k-th)
@@ -139,9 +139,7 @@ class RolloutEngine:
     def _delta(self, command: Command, payload, base_version: int, version: int) -> int:
         if not self.cfg.delta_sync:
             raise PushRefused(f"{command} needs an engine started with delta_sync")
-        if self.version != base_version:
-            raise PushRefused(f"a delta on version {base_version}, the engine serves "
-                              f"{self.version}: push full weights")
+        require_base(base_version, self.version)
         sent = self._call(command, payload)
         self.version = -1
         self.commit(version)
@@ -180,9 +178,8 @@ class RolloutEngine:
     def expect(self, transport: str, base_version: int | None) -> None:
         """Announce a direct push (``base_version``: a delta's base, None for a full
         push); ``PushRefused`` when the engine cannot take it, before anything is sent."""
-        if base_version is not None and self.version != base_version:
-            raise PushRefused(f"a delta on version {base_version}, the engine serves "
-                              f"{self.version}: push full weights")
+        if base_version is not None:
+            require_base(base_version, self.version)
         self._call(Command.EXPECT, (str(transport), base_version))
 
     def begin_receive(self, rounds: int) -> None:

@@ -26,7 +26,8 @@ from megatron_logra.bridge.engine_lora import ServedAdapter, lora_options
 from megatron_logra.bridge.protocol import (IN_FLIGHT, LIVE_WEIGHTS_ENV, WORKER_EXTENSION,
                                             ByValueConnection, Command, Completion,
                                             EngineConfig, PushInFlight, PushRefused, Reply,
-                                            SampleRequest, WorkerRPC, call_workers)
+                                            SampleRequest, WorkerRPC, call_workers,
+                                            require_base)
 from megatron_logra.runtime.faults import engine_fault
 from megatron_logra.runtime.processes import die_with_parent, own_resource_tracker
 
@@ -161,9 +162,8 @@ class _DirectReceiver:
         kind, base = payload
         if not self.joined:
             raise PushRefused("the engine has not joined the direct weight group")
-        if base is not None and _engine_version(llm) != base:
-            raise PushRefused(f"a delta on version {base}, the engine serves "
-                              f"{_engine_version(llm)}: push full weights")
+        if base is not None:
+            require_base(base, _engine_version(llm))
         self.fault_point = "engine-full-push" if kind == "full" else "engine-delta-push"
 
     def receive(self, llm, rounds: int) -> int:

@@ -46,6 +46,14 @@ class Delivery:
     sent: int = 0
 
 
+def require_base(base_version: int, serving: int) -> None:
+    """Refuse a delta on ``base_version`` when the engine serves ``serving`` (checked by
+    the client, and again by the engine process for the direct channel)."""
+    if serving != base_version:
+        raise PushRefused(f"a delta on version {base_version}, the engine serves "
+                          f"{serving}: push full weights")
+
+
 IN_FLIGHT = "a weight push is in flight (loaded, not committed): commit it first"
 
 
