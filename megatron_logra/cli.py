@@ -217,6 +217,18 @@ def parse_run_config(argv: list[str] | None = None, world_size: int | None = Non
             check_rl(rl, training, optimizer, dp)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if rl.kl.mode == "predicted" and optimizer.optimizer_cpu_offload:
+            raise ConfigError("--kl-control predicted with --optimizer-cpu-offload: the "
+                              "control scales the update on the GPU's master params, while "
+                              "the offloaded optimizer keeps its own host copy, which would "
+                              "stay unscaled; drop one of them (colocated runs fit the "
+                              "engine without offload under LoGRA: "
+                              "benchmarks/results/memory_plan.md)")
+        if rl.kl.mode == "predicted" and training.transformer_impl == "transformer_engine":
+            raise ConfigError("--kl-control predicted with --transformer-impl "
+                              "transformer_engine: the KL tangent is carried through "
+                              "megatron-core's local linears only; use --transformer-impl "
+                              "local (or auto, which builds local under predicted-KL control)")
         training = replace(training,
                            global_batch_size=rl.prompts_per_step * rl.responses_per_prompt)
     else:

@@ -35,7 +35,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_logra.bridge.direct_payload import Outbox
-from megatron_logra.bridge.p2p import GroupAddress, join_group, open_store, send_message
+from megatron_logra.bridge.p2p import (GroupAddress, abort_group, join_group, open_store,
+                                       send_message, wait_all)
 from megatron_logra.bridge.protocol import Delivery, EngineError, PushRefused, Transport
 from megatron_logra.bridge.sketch_delta import RowsUpdate, encode_rows, owned_updates
 from megatron_logra.bridge.sparse_delta import BITS
@@ -71,6 +72,7 @@ class DirectChannel:
         self.group = self.store = None
         self.address: GroupAddress | None = None  # rank 0: its store's (prefix set per join)
         self.joined = None  # the engine start the group was built with
+        self.wait_s = 300.0  # the joined group's bound on each send (``p2p.wait_all``)
         self.sent_here = 0  # bytes this rank has sent (benchmarks)
         self.hf_shapes = hf_param_shapes(arch)
 
@@ -115,6 +117,7 @@ class DirectChannel:
         if address is None:
             return ""
         self.group = None  # the old group's workers are gone
+        self.wait_s = address.timeout_s  # each send's bound (``p2p.wait_all``)
         failed = ""
         if self.rank == 0:
             try:
@@ -208,6 +211,7 @@ class DirectChannel:
                 failed = str(exc)
         failed = _agree(failed)
         if failed:
+            abort_group(self.group)
             self.group, self.joined = None, None
         return Delivery(failed=failed, sent=received)
 
@@ -219,8 +223,7 @@ class DirectChannel:
                                         self.device)
             works += posted
             self.sent_here += size
-        for work in works:
-            work.wait()
+        wait_all(works, self.wait_s)
 
     # --- what goes in a round ---------------------------------------------------------------
     def _buckets(self, names: list[str] | None) -> list[list[str]]:

@@ -59,19 +59,7 @@ def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
     try:
         from vllm import LLM
 
-        llm = LLM(model=cfg.model_dir, dtype=cfg.dtype, enforce_eager=True,
-                  distributed_executor_backend="uni" if cfg.tensor_parallel_size == 1 else "mp",
-                  tensor_parallel_size=cfg.tensor_parallel_size,
-                  max_model_len=cfg.max_model_len, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
-                  # a token budget that never splits a prompt over steps: seeded requests
-                  # fail on CPU when their prefill is chunked ("CPU Generator does not use
-                  # offset"), and the per-sample seeds are what makes rollouts reproducible
-                  max_num_batched_tokens=cfg.max_model_len * cfg.max_num_seqs,
-                  kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30),
-                  logprobs_mode="processed_logprobs", **lora_options(cfg.lora_rank),
-                  **({"enable_sleep_mode": True} if cfg.sleep_mode else {}),
-                  load_format=cfg.load_format,
-                  worker_extension_cls=WORKER_EXTENSION)
+        llm = LLM(**llm_options(cfg, cuda=torch.cuda.is_available()))
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         conn.send((Reply.ERROR, f"vLLM failed to start: {type(exc).__name__}: {exc}"))
         return
@@ -135,6 +123,31 @@ def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
         except Exception as exc:  # noqa: BLE001 - the engine is dead after an RPC failure
             conn.send((Reply.ERROR, f"{command}: {type(exc).__name__}: {exc}"))
             return
+
+
+def llm_options(cfg: EngineConfig, *, cuda: bool) -> dict:
+    """vLLM's ``LLM(...)`` arguments for ``cfg`` on a CUDA or a CPU install."""
+    options = dict(model=cfg.model_dir, dtype=cfg.dtype, enforce_eager=True,
+                   distributed_executor_backend="uni" if cfg.tensor_parallel_size == 1
+                   else "mp", tensor_parallel_size=cfg.tensor_parallel_size,
+                   max_model_len=cfg.max_model_len, seed=cfg.seed,
+                   max_num_seqs=cfg.max_num_seqs,
+                   kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30),
+                   logprobs_mode="processed_logprobs", **lora_options(cfg.lora_rank),
+                   **({"enable_sleep_mode": True} if cfg.sleep_mode else {}),
+                   load_format=cfg.load_format, worker_extension_cls=WORKER_EXTENSION)
+    if cuda:
+        # vLLM's default token budget (its profiling run allocates activations for that
+        # many tokens, so the CPU budget below would not fit a 7B engine); the start-up
+        # check against free memory sized by the trainer when it shares the GPUs
+        if cfg.gpu_memory_utilization is not None:
+            options["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    else:
+        # a token budget that never splits a prompt over steps: seeded requests fail on
+        # CPU when their prefill is chunked ("CPU Generator does not use offset"), and the
+        # per-sample seeds are what makes rollouts reproducible
+        options["max_num_batched_tokens"] = cfg.max_model_len * cfg.max_num_seqs
+    return options
 
 
 # the fault (``runtime.faults``) injected after a command was carried out, before its reply

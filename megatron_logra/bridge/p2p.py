@@ -56,7 +56,10 @@ def join_group(address: GroupAddress, rank: int, store: dist.TCPStore | None = N
     if address.backend != "nccl":
         raise ValueError(f"direct weight channel: backend {address.backend!r} (gloo or nccl)")
     options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
+    # the watchdog's limit is set past the bounded waits (``wait_all``), so a dead peer
+    # surfaces as an error in the waiting rank (the engine-restart path), not as the
+    # watchdog tearing the trainer process down first
+    options._timeout = timeout * 2 + timedelta(seconds=60)
     group = dist.ProcessGroupNCCL(prefixed, rank, address.size, options)
     if device is not None:  # NCCL connects lazily: bind the communicator to this device
         group.eager_connect_single_device(device)
@@ -75,18 +78,37 @@ def send_message(group, dst: int, meta, tensors: list[torch.Tensor],
     return works, sum(p.numel() * p.element_size() for p in parts)
 
 
-def recv_message(group, src: int, device: torch.device):
+def wait_all(works: list, timeout_s: float) -> None:
+    """Wait for posted sends or receives, each at most ``timeout_s``. gloo raises at once
+    when the peer's sockets close (a dead engine: "connection closed by peer"); NCCL does
+    not notice a dead peer by itself, and its wait with a timeout raises
+    (``DistBackendError``, a RuntimeError) once the limit passes: either way the caller
+    sees a RuntimeError and takes the engine-restart path, never an unbounded hang."""
+    limit = timedelta(seconds=timeout_s)
+    for work in works:
+        work.wait(limit)
+
+
+def abort_group(group) -> None:
+    """Drop a group after a failure: NCCL's communicator is aborted (its kernels may be
+    stuck on the dead peer); gloo's sockets close when the object goes."""
+    abort = getattr(group, "abort", None)
+    if group is not None and callable(abort) and not isinstance(group, dist.ProcessGroupGloo):
+        abort()
+
+
+def recv_message(group, src: int, device: torch.device, timeout_s: float = 300.0):
     """One message from group rank ``src``: (meta, tensors on ``device``, bytes)."""
     length = torch.empty(1, dtype=torch.int64, device=device)
-    group.recv([length], src, 0).wait()
+    wait_all([group.recv([length], src, 0)], timeout_s)
     header = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    group.recv([header], src, 0).wait()
+    wait_all([group.recv([header], src, 0)], timeout_s)
     meta, specs = pickle.loads(header.cpu().numpy().tobytes())
     tensors = []
     for dtype, numel in specs:
         t = torch.empty(numel, dtype=dtype, device=device)
         if numel:
-            group.recv([t], src, 0).wait()
+            wait_all([group.recv([t], src, 0)], timeout_s)
         tensors.append(t)
     size = 8 + header.numel() + sum(t.numel() * t.element_size() for t in tensors)
     return meta, tensors, size

@@ -75,14 +75,24 @@ def check_placement_flags(mode: str, devices_spec: str) -> tuple[int, ...]:
 
 def plan_placement(mode: str, devices_spec: str, *, engine_tp: int, cuda: bool,
                    node_devices: list[int], local_world_size: int,
-                   visible: str | None = None) -> EnginePlacement:
+                   visible: str | None = None, direct_channel: bool = False,
+                   remote_engine: bool = False) -> EnginePlacement:
     """The engine's placement on node 0, or ValueError naming the flags and the fix.
 
     ``node_devices``: CUDA: range(visible GPU count); CPU: the cores node 0's processes
     may run on (``os.sched_getaffinity``). ``local_world_size``: trainer ranks on node 0.
     ``visible``: node 0's ``CUDA_VISIBLE_DEVICES`` (the engine's ids are translated
-    through it)."""
+    through it). ``direct_channel``: --weight-sync-channel direct; ``remote_engine``: the
+    engine runs on another node (--rollout-engine-address)."""
     devices = check_placement_flags(mode, devices_spec)
+    if cuda and direct_channel and not remote_engine and mode != "dedicated":
+        # the direct channel puts trainer ranks and vLLM workers in one NCCL communicator;
+        # NCCL refuses two members on one GPU ("Duplicate GPU detected")
+        raise ValueError(f"--weight-sync-channel direct with --rollout-placement {mode}: the "
+                         f"engine's workers would share GPUs with trainer ranks in one NCCL "
+                         f"group, which NCCL refuses (duplicate GPU); give the engine GPUs "
+                         f"of its own (--rollout-placement dedicated --rollout-devices ...) "
+                         f"or use --weight-sync-channel pipe")
     if mode == "colocated" and not cuda:
         return EnginePlacement(mode, note="--rollout-placement colocated: vLLM has no sleep "
                                "mode on CPU; the engine and the trainer share the cores as "

@@ -179,6 +179,9 @@ class EngineConfig:
     env: tuple[tuple[str, str], ...] = ()  # set in the engine process first (placement)
     cpu_cores: tuple[int, ...] = ()  # CPU, dedicated: the only cores the engine runs on
     sleep_mode: bool = False  # CUDA, colocated: release weights and KV cache between turns
+    # CUDA, on the trainer's GPUs (inherit, colocated): vLLM's start-up memory fraction,
+    # sized from what the trainer left free (``engine_memory``); None: vLLM's default
+    gpu_memory_utilization: float | None = None
     # "dummy": start from random weights, the first push brings the real ones (the direct
     # channel: no weights file on the engine's node, no rank holding the whole model)
     load_format: str = "auto"

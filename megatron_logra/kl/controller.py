@@ -37,6 +37,28 @@ def _global_mean(values: torch.Tensor | None) -> tuple[float, int]:
     return (float(total[0] / total[1]) if count else 0.0), count
 
 
+def _moved_anywhere(tangents: UpdateTangents | None) -> bool:
+    """Whether the update moves any rank's weights (a global OR)."""
+    moved = tangents is not None and (bool(tangents.low_rank) or any(
+        bool(t.abs().max() > 0) for t in tangents.dense.values() if t.numel()))
+    flag = torch.tensor([float(moved)], device=current_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def require_tangent_reached(moved: bool) -> None:
+    """K = 0 exactly (a Fisher form over logits whose tangent is zero everywhere) for an
+    update that moved the weights means the forward-mode tangent never reached the logits:
+    a layer without a jvp sits in the path (Transformer Engine's linears: the tangent is
+    carried through megatron-core's local layers only). The control would then take
+    alpha_max silently; refuse instead."""
+    if moved:
+        raise RuntimeError("predicted-KL control: the update moved the weights but its "
+                           "tangent never reached the logits (K = 0): a layer without a "
+                           "forward-mode jvp is in the model (Transformer Engine's "
+                           "linears?); build the model with --transformer-impl local")
+
+
 def cap_probe(probe: dict[str, torch.Tensor], max_tokens: int) -> dict[str, torch.Tensor]:
     """Each probe response cut at ``max_tokens`` tokens, prompt included (the reference's
     cap): a position stays in ``loss_mask`` only if the token it predicts is among the
@@ -90,6 +112,8 @@ class PredictedKLStep:
         if count == 0:
             raise RuntimeError("the KL probe holds no generated position: every probe "
                                "response's prompt fills --kl-probe-max-tokens; raise it")
+        if k == 0.0:
+            require_tangent_reached(_moved_anywhere(tangents))
         return k
 
     def realized_kl(self, model, probe: dict[str, torch.Tensor]) -> float:

@@ -55,6 +55,17 @@ class ModelArch:
         """Rows of the fused qkv weight: ng * (np/ng + 2) * hn."""
         return (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim
 
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the HF model (unpadded vocabulary; biases and norms included)."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        q = self.num_attention_heads * self.head_dim
+        layer = (h * self.qkv_rows + q * h + 3 * h * f + 2 * h
+                 + (self.qkv_rows if self.qkv_bias else 0)
+                 + (2 * self.head_dim if self.qk_norm else 0))
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embeddings + h
+
     def to_dict(self) -> dict:
         return asdict(self)
 

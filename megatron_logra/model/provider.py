@@ -55,13 +55,17 @@ class ModelBuildConfig:
 
 
 def transformer_engine_available() -> bool:
+    """Whether megatron-core builds real Transformer Engine layers here: its TE extension
+    (``megatron/core/extensions/transformer_engine.py``) needs ``transformer_engine`` and
+    ``transformer_engine.pytorch`` and otherwise builds MagicMock stand-ins, so its own
+    ``HAVE_TE`` is asked, not whether the bare ``transformer_engine`` package imports."""
     if not torch.cuda.is_available():
         return False  # never import TE on CPU
     try:
-        import transformer_engine  # noqa: F401
+        from megatron.core.extensions import transformer_engine as megatron_te
     except Exception:
         return False
-    return True
+    return bool(megatron_te.HAVE_TE)
 
 
 def transformer_config(arch: ModelArch, build: ModelBuildConfig) -> TransformerConfig:

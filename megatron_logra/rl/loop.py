@@ -38,6 +38,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_logra.bridge.engine_link import EngineLink
+from megatron_logra.bridge.engine_memory import shared_gpu_utilization_measured
 from megatron_logra.bridge.placement import EnginePlacement, plan_placement
 from megatron_logra.bridge.protocol import EngineConfig
 from megatron_logra.bridge.sync import WeightSync
@@ -53,6 +54,7 @@ from megatron_logra.data.tasks import generate_items
 from megatron_logra.rl.verifiers import Verifier, VerifierConfig
 from megatron_logra.runtime.device import (current_device, node_devices, peak_memory_bytes,
                                            synchronize)
+from megatron_logra.runtime.collectives import from_rank0
 from megatron_logra.runtime.faults import maybe_fail
 from megatron_logra.training import checkpointing
 from megatron_logra.training.log_sinks import open_metrics_log
@@ -98,6 +100,8 @@ class RLRun:
             if self.kl_step is not None and "kl" in extra["rl"]:
                 self.kl_step.controller.load_state_dict(extra["rl"]["kl"])
         self.placement = self._place_engine()
+        self.engine_gpu_utilization = shared_gpu_utilization_measured(
+            cfg.rl, self.objs.arch, self.placement)
         self.driver = self._start_driver_everywhere()
         self.link = EngineLink(self.weights, self.driver.engine_cfg if self.driver else None,
                                sleep_mode=self.placement.sleep_mode)
@@ -109,21 +113,15 @@ class RLRun:
         """Rank 0 plans where the engine runs on its node (``bridge.placement``; a refusal
         is raised on every rank), and node 0's trainer ranks keep off a dedicated
         engine's CPU cores."""
-        rl, out = self.cfg.rl, [None, ""]
-        if self.rank == 0:
-            try:
-                out[0] = plan_placement(
-                    rl.rollout_placement, rl.rollout_devices,
-                    engine_tp=rl.rollout_tensor_parallel_size,
-                    cuda=current_device().type == "cuda", node_devices=node_devices(),
-                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                    visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
-            except ValueError as exc:
-                out[1] = str(exc)
-        dist.broadcast_object_list(out, src=0)
-        if out[1]:
-            raise ValueError(out[1])
-        placement = out[0]
+        rl = self.cfg.rl
+        placement = from_rank0(lambda: plan_placement(
+            rl.rollout_placement, rl.rollout_devices,
+            engine_tp=rl.rollout_tensor_parallel_size,
+            cuda=current_device().type == "cuda", node_devices=node_devices(),
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            direct_channel=rl.sync.channel == "direct",
+            remote_engine=bool(rl.rollout_engine_address)))
         if placement.trainer_cores and os.environ.get("GROUP_RANK", "0") == "0":
             os.sched_setaffinity(0, placement.trainer_cores)
         if self.rank == 0 and (placement.note or placement.devices):
@@ -157,13 +155,14 @@ class RLRun:
             raise ValueError(f"only {len(prompts)} prompts fit --seq-length - --max-new-tokens; "
                              f"raise --dataset-size or --seq-length (need > --eval-prompts)")
         engine_cfg = EngineConfig(
-            str(self._engine_init_dir()), max_model_len=cfg.training.seq_length + 1,
+            str(self._engine_init_dir()), max_model_len=cfg.training.seq_length,
             dtype=rl.rollout_dtype, kv_cache_gib=rl.rollout_kv_cache_gib,
             tensor_parallel_size=rl.rollout_tensor_parallel_size, seed=rl.rollout_seed,
             delta_sync=self.weights.needs_in_place_engine,
             lora_rank=self.weights.engine_lora_rank, env=tuple(self.placement.env.items()),
             cpu_cores=self.placement.engine_cores,
             sleep_mode=self.placement.sleep_mode,
+            gpu_memory_utilization=self.engine_gpu_utilization,
             load_format="dummy" if self.weights.direct else "auto",
             remote=rl.rollout_engine_address)
         print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",

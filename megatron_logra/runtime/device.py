@@ -3,6 +3,13 @@
 CUDA with NCCL when a GPU is visible, else CPU with gloo. Everything else asks
 ``current_device()``; nothing in the package hard-codes a device. On CPU the
 megatron-core shims (``megatron_shims.apply_cpu_shims``) are applied here, once.
+
+On CUDA the default group is ``cpu:gloo,cuda:nccl`` (``collective_backend``): each
+collective runs on the backend of its tensors' device, so a control flag built on the
+CPU, an object broadcast (torch sends those over the group's CPU backend) or a CPU relay
+of weights goes over gloo, and the model's tensors over NCCL. A NCCL-only group refuses
+CPU tensors ("No backend type associated with device type cpu"). megatron-core's groups
+are created without a backend and so inherit both.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ class Runtime:
     """Where this process computes and how it talks to the others."""
 
     device: torch.device
-    backend: str  # "nccl" or "gloo"
+    backend: str  # "gloo", or "cpu:gloo,cuda:nccl" on CUDA (``collective_backend``)
     rank: int
     world_size: int
     local_rank: int
@@ -33,6 +40,12 @@ class Runtime:
 
 
 _RUNTIME: Runtime | None = None
+
+
+def collective_backend(device: torch.device) -> str:
+    """The default group's backend for ``device``: gloo on CPU; on CUDA NCCL for CUDA
+    tensors and gloo for CPU ones (control flags, object collectives, CPU relays)."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def select_device(force: str | None = None) -> torch.device:
@@ -72,7 +85,7 @@ def init_runtime(timeout_minutes: float = 10.0) -> Runtime:
     if _RUNTIME is not None:
         return _RUNTIME
     device = select_device()
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = collective_backend(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:

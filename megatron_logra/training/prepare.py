@@ -19,7 +19,7 @@ from megatron_logra.config import RunConfig
 from megatron_logra.convert.hf_checkpoint import load_hf_weights
 from megatron_logra.data.tokenizer import load_tokenizer
 from megatron_logra.model.arch import load_arch
-from megatron_logra.model.provider import ModelBuildConfig
+from megatron_logra.model.provider import ModelBuildConfig, transformer_engine_available
 from megatron_logra.runtime import parallel
 from megatron_logra.runtime.device import init_runtime
 from megatron_logra.training import checkpointing
@@ -74,6 +74,21 @@ def _resume_checkpoint(ck, is_logger: bool) -> Path | None:
     return found
 
 
+def layer_impl(cfg: RunConfig, announce: bool = False) -> str:
+    """``--transformer-impl``, with auto resolved to local under predicted-KL control: its
+    forward-mode tangent is carried through megatron-core's local linears only
+    (``patches/forward_ad``), not Transformer Engine's (an explicit transformer_engine is
+    refused at parse time, ``cli``)."""
+    impl = cfg.training.transformer_impl
+    if impl == "auto" and cfg.training.stage == "rl" and cfg.rl.kl.mode == "predicted":
+        if announce and transformer_engine_available():
+            print("--kl-control predicted: building megatron-core's local layer spec, not "
+                  "Transformer Engine's (the KL tangent passes through local linears only)",
+                  flush=True)
+        return "local"
+    return impl
+
+
 def prepare_training(cfg: RunConfig) -> Prepared:
     """Runtime + parallel groups, model + optimizer, then --load (HF weights, or a checkpoint
     to resume or to finetune from); writes config.json. Shared by the SFT and RL stages."""
@@ -84,7 +99,7 @@ def prepare_training(cfg: RunConfig) -> Prepared:
     arch.check_parallel(cfg.parallel.tensor_model_parallel_size,
                         cfg.parallel.pipeline_model_parallel_size)
     tokenizer = load_tokenizer(cfg.model.model_dir, cfg.model.tokenizer_model)
-    impl = cfg.training.transformer_impl
+    impl = layer_impl(cfg, announce=is_logger)
     build = ModelBuildConfig(bf16=cfg.training.bf16,
                              recompute_activations=cfg.training.recompute_activations,
                              use_transformer_engine=None if impl == "auto"

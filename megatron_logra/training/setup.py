@@ -33,7 +33,8 @@ from megatron_logra.logra.optimizer import LograOptimizer, RowAdamConfig
 from megatron_logra.logra.sketches import SketchConfig, SketchSet, anchor_frozen_embeddings
 from megatron_logra.lora.model_spec import LoraAdapters
 from megatron_logra.model.arch import ModelArch
-from megatron_logra.model.provider import ModelBuildConfig, build_gpt_model
+from megatron_logra.model.provider import (ModelBuildConfig, build_gpt_model,
+                                          transformer_engine_available)
 from megatron_logra.patches import apply_all as apply_megatron_patches
 from megatron_logra.runtime.device import current_device
 from megatron_logra.runtime.phase_times import PHASES
@@ -76,8 +77,19 @@ def megatron_optimizer_config(cfg: OptimizerConfig, bf16: bool) -> McoreOptimize
     if not 0 <= cfg.optimizer_offload_fraction <= 1:
         raise ValueError(f"--optimizer-offload-fraction {cfg.optimizer_offload_fraction} "
                          f"must lie in [0, 1]")
+    if cfg.optimizer_cpu_offload and not transformer_engine_available():
+        raise ValueError("--optimizer-cpu-offload needs Transformer Engine (megatron-core "
+                         "0.16's precision-aware optimizer, which its offload runs in, reads "
+                         "TE's version): install the gpu extra (pip install -e '.[gpu]')")
+    if cfg.optimizer_cpu_offload and not cfg.use_distributed_optimizer:
+        raise ValueError("--optimizer-cpu-offload needs --use-distributed-optimizer "
+                         "(megatron-core's precision-aware optimizer, which its offload "
+                         "runs inside, shards the state over DP)")
+    # Megatron-LM requires the precision-aware optimizer with CPU offload: the hybrid
+    # CPU/GPU optimizer then keeps the fp32 master params itself (param_update_in_fp32)
     offload = dict(optimizer_cpu_offload=True,
                    optimizer_offload_fraction=cfg.optimizer_offload_fraction,
+                   use_precision_aware_optimizer=True,
                    ) if cfg.optimizer_cpu_offload else {}
     return McoreOptimizerConfig(
         optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,

@@ -9,7 +9,7 @@ rollouts and pushes: ``test_rl_faults.py``). At every
 check the trainer's and the engine's logprobs on the same fixed token rows agree
 (fp32 engine; tolerance 1e-5, measured ~6e-7), and the weights did move (the check
 would see a stale engine). Layouts: trainer TP2 with dense Adam (Dr.GRPO's loss and
-dynamic sampling); PP2 with LoGRA
+dynamic sampling; a model whose max_position_embeddings is --seq-length); PP2 with LoGRA
 (tied embedding split over the stages, the sender of each tensor is not rank 0); TP2
 with LoRA adapters (full pushes of the merged weights; predicted-KL control steps the
 adapters); TP2 and PP2 with LoRA and adapter-only sync (the engine serves the base plus
@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from megatron_logra.cli import parse_run_config
+from megatron_logra.model.tiny_assets import write_tiny_model_dir
 from megatron_logra.training.setup import build_scheduler
 
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm]
@@ -85,6 +86,10 @@ ENGINE_CORE = max(os.sched_getaffinity(0))
 # the layouts whose engine is killed after the updates (a full resync, and a resync of
 # base + adapter); engine deaths at every point of an update: test_rl_faults.py
 KILLED_ENGINE = ("tp2_adam", "pp2_lora_adapter")
+# the layout whose model holds no position past --seq-length (max_position_embeddings =
+# 96, as Qwen2.5-Math-1.5B's 4096 at the paper's --seq-length 4096): vLLM refuses a
+# max_model_len above it, so the engine must be sized to --seq-length, not one more
+SEQ_LENGTH_IS_MAX_POSITIONS = ("tp2_adam",)
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -93,9 +98,14 @@ def launched(request, tmp_path_factory) -> dict:
     out = tmp / "result.json"
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1",
                RL_WORKER_KILL_ENGINE=str(int(request.param in KILLED_ENGINE)))
+    model = []
+    if request.param in SEQ_LENGTH_IS_MAX_POSITIONS:
+        seq_length = int(BASE[BASE.index("--seq-length") + 1])
+        model = ["--model-dir", str(write_tiny_model_dir(
+            tmp / "model", max_position_embeddings=seq_length))]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(WORKER), str(out), *BASE, *_flags(request.param), "--output-dir",
-           str(tmp / "run")]
+           "2", str(WORKER), str(out), *BASE, *_flags(request.param), *model,
+           "--output-dir", str(tmp / "run")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())

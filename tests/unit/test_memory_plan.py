@@ -127,3 +127,34 @@ def test_the_engine_share_and_what_each_placement_fits():
         assert trainer["model_state"] + memory_plan.engine_share("qwen3-27b", e)["total"] \
             <= limit
     assert got["dedicated"] and got["colocated"]
+
+
+@pytest.mark.parametrize("method,variant,fits_on", [
+    ("logra", "logra_fp32_master", (80.0, 141.0)), ("dense", "dense_adam", (141.0,))])
+def test_the_27b_recipes_place_the_engine_where_the_plan_fits(method, variant, fits_on):
+    """recipes/paper/{dense,logra}-27b.yaml: their engine placement, engine TP, KV cache
+    and trainer layout are a pair the memory plan says fits on 8 GPUs of the sizes named
+    (a TP1 engine beside the trainer, the old default, needs ~300 GiB: it never fits), and
+    the launcher's placement check on a CUDA node of 8 accepts them."""
+    from _train_probe import shape_dir
+
+    from megatron_logra.bridge.placement import plan_placement
+    from megatron_logra.cli import parse_run_config
+
+    recipe = REPO / "recipes" / "paper" / f"{method}-27b.yaml"
+    model = Path(shape_dir("qwen3-27b"))  # the plan's own shape (benchmarks/configs)
+    cfg = parse_run_config(["--config", str(recipe), "--model-dir", str(model)], world_size=8)
+    rl, par = cfg.rl, cfg.parallel
+    engine = memory_plan.engine_share("qwen3-27b", rl.rollout_tensor_parallel_size)
+    # the recipe's KV cache is the plan's: the whole rollout batch at once
+    assert rl.rollout_kv_cache_gib * memory_plan.GIB >= engine["kv_cache"]
+    pair = (f"engine TP{rl.rollout_tensor_parallel_size} + TP{par.tensor_model_parallel_size} "
+            f"PP{par.pipeline_model_parallel_size} DP{par.data_parallel_size(8)}")
+    plan = memory_plan.placements([80.0, 141.0], models=("27B",), variants=(variant,))
+    for gib in (80.0, 141.0):
+        fits = pair in plan["27B"][variant][f"{gib:g}gib"][rl.rollout_placement]
+        assert fits == (gib in fits_on), (pair, gib)
+    placement = plan_placement(rl.rollout_placement, rl.rollout_devices,
+                               engine_tp=rl.rollout_tensor_parallel_size, cuda=True,
+                               node_devices=list(range(8)), local_world_size=8)
+    assert placement.sleep_mode

@@ -123,7 +123,24 @@ def test_optimizer_cpu_offload_reaches_megatron_on_cuda_and_is_refused_on_cpu(mo
     with pytest.raises(ValueError, match="this run is on CPU.*drop it"):
         setup.megatron_optimizer_config(cfg, bf16=True)
     monkeypatch.setattr(setup, "current_device", lambda: torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="needs Transformer Engine"):
+        setup.megatron_optimizer_config(cfg, bf16=True)
+    # with TE (the GPU extra): megatron's config reads TE's version
+    from megatron.core.optimizer import optimizer_config
+
+    monkeypatch.setattr(setup, "transformer_engine_available", lambda: True)
+    monkeypatch.setattr(optimizer_config, "is_te_min_version", lambda *a, **k: True)
     mcfg = setup.megatron_optimizer_config(cfg, bf16=True)
     assert (mcfg.optimizer_cpu_offload, mcfg.optimizer_offload_fraction) == (True, 0.5)
+    # Megatron-LM runs its offload inside the precision-aware optimizer only
+    assert mcfg.use_precision_aware_optimizer and mcfg.use_distributed_optimizer
     plain = parse_run_config([], world_size=1).optimizer
     assert not setup.megatron_optimizer_config(plain, bf16=True).optimizer_cpu_offload
+    assert not setup.megatron_optimizer_config(plain, bf16=True).use_precision_aware_optimizer
+    unsharded = parse_run_config(["--optimizer-cpu-offload"], world_size=1).optimizer
+    with pytest.raises(ValueError, match="needs --use-distributed-optimizer"):
+        setup.megatron_optimizer_config(unsharded, bf16=True)
+    # predicted-KL control scales the GPU copy of the update only: refused with offload
+    rl = ["--stage", "rl", "--kl-control", "predicted", "--use-distributed-optimizer"]
+    with pytest.raises(ValueError, match="kl-control predicted with --optimizer-cpu-offload"):
+        parse_run_config([*rl, "--optimizer-cpu-offload"], world_size=1)
