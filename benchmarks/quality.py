@@ -70,7 +70,7 @@ def recipe_value(name: str, key: str):
 def _setup(quick: bool) -> dict:
     """The schedule (the same for every method) and the command-line overrides of
     ``--quick`` on top of the recipes."""
-    s = dict(updates=24, round=8, seeds=[1, 2],
+    s = dict(updates=24, round=8, seeds=[1, 2, 3],
              warm_start_iters=recipe_value("warm-start", "train-iters"), overrides=[],
              **{key.replace("-", "_"): recipe_value("_rl", key) for key in (
                  "task", "reward", "prompts-per-step", "responses-per-prompt",
@@ -164,19 +164,34 @@ def _mean_of(records: list[dict], key: str) -> float:
 
 
 def _spread(values: list[float]) -> dict:
-    """Mean, min and max over the runs that have the figure (NaN: a run without it)."""
+    """Mean, sample standard deviation (n - 1; NaN for one run), min and max over the runs
+    that have the figure (NaN: a run without it)."""
     known = [v for v in values if not math.isnan(v)] or [float("nan")]
-    return {"mean": sum(known) / len(known), "min": min(known), "max": max(known)}
+    mean = sum(known) / len(known)
+    sd = (math.sqrt(sum((v - mean) ** 2 for v in known) / (len(known) - 1))
+          if len(known) > 1 else float("nan"))
+    return {"mean": mean, "sd": sd, "min": min(known), "max": max(known)}
 
 
-def summarize(runs: Path, s: dict) -> dict:
-    """Per run: curves and figures; per method: mean and range over seeds."""
+def summarize(runs: Path, s: dict, archived: dict | None = None) -> dict:
+    """Per run: curves and figures; per method: mean and range over seeds.
+
+    ``archived``: the ``runs`` of an earlier results JSON; a run found there whose folder
+    is gone (another machine, a fresh clone) is reported from it, so new seeds add to
+    the old ones instead of replacing them."""
     # the seeds are each method's own (the run folders found), not the setup's
     out = {"setup": {k: v for k, v in s.items() if k not in ("start", "seeds")}, "runs": {},
            "methods": {}}
     k = s["eval_samples"]
+    archived = archived or {}
     for method in METHODS:
         rows = []
+        kept = [name for name, run in archived.items() if run["method"] == method
+                and not (runs / name).is_dir()]
+        for name in kept:
+            run = dict(archived[name], in_summary=False)
+            out["runs"][name] = run
+            rows.append(run)
         for seed in _seeds_run(runs, method):
             recs = _records(runs / f"{method}-s{seed}")
             train = [r for r in recs if "reward_mean" in r]
@@ -191,6 +206,7 @@ def summarize(runs: Path, s: dict) -> dict:
                    **{f"{part}_s": sum(r[f"{part}_time_s"] for r in train) / len(train)
                       for part in ("rollout", "train", "sync")},
                    "kl_probe_s": _mean_of(train, "kl_probe_time_s"),
+                   "updates_per_hour": 3600 * len(train) / sum(r["step_time_s"] for r in train),
                    "peak_mem_gib": max(r["peak_mem_bytes"] for r in train) / 2**30,
                    "avg_mem_gib": sum(r["peak_mem_bytes"] for r in train) / len(train) / 2**30,
                    "sync_mb_per_update": sum(r["sync_bytes"] for r in train) / len(train) / 1e6,
@@ -215,7 +231,10 @@ def summarize(runs: Path, s: dict) -> dict:
         for run in rows:
             run["in_summary"] = True
         if rows:
-            keys = ("seconds_per_update", "rollout_s", "train_s", "kl_probe_s", "sync_s",
+            for run in rows:  # runs archived before updates/h was a figure of its own
+                run.setdefault("updates_per_hour", 3600 / run["seconds_per_update"])
+            keys = ("seconds_per_update", "updates_per_hour", "rollout_s", "train_s",
+                    "kl_probe_s", "sync_s",
                     "peak_mem_gib", "avg_mem_gib", "sync_mb_per_update", "peak_pass@1",
                     f"peak_pass@{k}", "start_pass@1", "gain_pass@1", "gain_se")
             out["methods"][method] = {key: _spread([r[key] for r in rows]) for key in keys}
@@ -236,14 +255,17 @@ def write_table(summary: dict, path: Path) -> None:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, m in summary["methods"].items():
         def spread(key: str, fmt: str = ".3f") -> str:
+            """mean +- sample SD (as the paper's tables), one run: its value alone"""
             v = m[key]
-            return f"{v['mean']:{fmt}} ({v['min']:{fmt}}-{v['max']:{fmt}})"
+            sd = ("" if math.isnan(v.get("sd", float("nan")))
+                  else f" +- {v['sd']:{fmt.replace('+', '')}}")
+            return f"{v['mean']:{fmt}}{sd}"
         lines.append(f"| {method} | {m['seeds']} | {m['updates']} | "
-                     f"{m['avg_mem_gib']['mean']:.2f} / {m['peak_mem_gib']['mean']:.2f} | "
+                     f"{spread('avg_mem_gib', '.2f')} / {spread('peak_mem_gib', '.2f')} | "
                      f"{m['seconds_per_update']['mean']:.1f} ({m['rollout_s']['mean']:.1f} + "
                      f"{m['train_s']['mean']:.1f} + {m['sync_s']['mean']:.1f}) | "
                      f"{_seconds(m['kl_probe_s']['mean'])} | "
-                     f"{3600 / m['seconds_per_update']['mean']:.0f} | "
+                     f"{spread('updates_per_hour', '.0f')} | "
                      f"{m['sync_mb_per_update']['mean']:.1f} | {spread('peak_pass@1')} | "
                      f"{spread(f'peak_pass@{k}')} | {spread('start_pass@1')} | "
                      f"{spread('gain_pass@1', '+.3f')} ({m['gain_se']['mean']:.3f}) |")
@@ -253,8 +275,9 @@ def write_table(summary: dict, path: Path) -> None:
               f"CPU cores; memory: the peak RSS of rank 0's trainer process (stage 0; the "
               f"rollout engine is another process), whatever held it (activations, "
               f"optimizer state, weight-sync buffers); seconds: the mean over all "
-              f"updates; mean (min-max) over the seeds whose runs finished (a variant with "
-              f"none finished: its longest runs); pass@1 gain: last evaluation minus the "
+              f"updates; figures are the mean +- sample SD over the seeds whose runs "
+              f"finished (as the paper's Tables 1 and 2; a variant with none finished: its "
+              f"longest runs; one run: its value); pass@1 gain: last evaluation minus the "
               f"first, its SE from the paired per-prompt differences (mean over seeds). "
               f"CPU figures, measured by `benchmarks/quality.py`."]
     path.write_text("\n".join(lines) + "\n")
@@ -295,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma list of methods to run, from {', '.join(METHODS)} (default "
                         f"%(default)s); the report covers every method with runs")
     p.add_argument("--seeds", default=None,
-                   help="comma list of seeds (default: the setup's, 1,2)")
+                   help="comma list of seeds (default: the setup's, 1,2,3: the paper's n = 3)")
     p.add_argument("--updates", type=int, default=None,
                    help="RL updates per run (default: the setup's, 24); with a fresh --runs "
                         "and --results, e.g. a short throughput measurement")
@@ -333,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(runs: Path, s: dict, results: Path, stem: str) -> dict:
     """Write the JSON, table and plot of the runs as they stand."""
-    summary = summarize(runs, s)
+    previous = results / f"{stem}.json"
+    archived = json.loads(previous.read_text())["runs"] if previous.is_file() else {}
+    summary = summarize(runs, s, archived)
     results.mkdir(parents=True, exist_ok=True)
     (results / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
     write_table(summary, results / f"{stem}.md")
