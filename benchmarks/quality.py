@@ -2,6 +2,7 @@
 
     python benchmarks/quality.py            # the full comparison (hours on 2 CPU cores)
     python benchmarks/quality.py --quick    # a smoke test of the same pipeline (minutes)
+    python benchmarks/quality.py --report-only   # redraw the table and plot, run nothing
 
 Every method trains from the same start (SmolLM2 after a shared SFT warm start that
 teaches the answer format) on the same task, prompts per update, rollout seeds and
@@ -211,6 +212,14 @@ def summarize(runs: Path, s: dict, archived: dict | None = None) -> dict:
                    "avg_mem_gib": sum(r["peak_mem_bytes"] for r in train) / len(train) / 2**30,
                    "sync_mb_per_update": sum(r["sync_bytes"] for r in train) / len(train) / 1e6,
                    "updates": train[-1]["step"]}
+            # KL: per update predicted and realized (where the control measured it), and
+            # the held-out gain per unit of realized KL (the "where LoGRA trails" figure)
+            run["kl"] = [(r["step"], r.get("kl_pred"), r.get("kl_realized")) for r in train
+                         if "kl_realized" in r]
+            run["kl_realized_sum"] = sum(x for _, _, x in run["kl"]) if run["kl"] else \
+                float("nan")
+            run["response_len"] = [(r["step"], r["response_len"]) for r in train
+                                   if "response_len" in r]
             run["peak_pass@1"] = max(v for _, v in run["pass@1"])
             run[f"peak_pass@{k}"] = max(v for _, v in run[f"pass@{k}"])
             run["start_pass@1"] = run["pass@1"][0][1]
@@ -221,6 +230,8 @@ def summarize(runs: Path, s: dict, archived: dict | None = None) -> dict:
             else:  # runs from before per-prompt pass rates were logged
                 run["gain_pass@1"] = evals[-1]["eval_pass@1"] - evals[0]["eval_pass@1"]
                 run["gain_se"] = float("nan")
+            run["gain_per_kl"] = run["gain_pass@1"] / run["kl_realized_sum"] \
+                if run["kl"] and run["kl_realized_sum"] > 0 else float("nan")
             run["method"], run["in_summary"] = method, False
             out["runs"][f"{method}-s{seed}"] = run
             rows.append(run)
@@ -231,12 +242,15 @@ def summarize(runs: Path, s: dict, archived: dict | None = None) -> dict:
         for run in rows:
             run["in_summary"] = True
         if rows:
-            for run in rows:  # runs archived before updates/h was a figure of its own
+            for run in rows:  # runs archived before these were figures of their own
                 run.setdefault("updates_per_hour", 3600 / run["seconds_per_update"])
+                run.setdefault("kl_realized_sum", float("nan"))
+                run.setdefault("gain_per_kl", float("nan"))
             keys = ("seconds_per_update", "updates_per_hour", "rollout_s", "train_s",
                     "kl_probe_s", "sync_s",
                     "peak_mem_gib", "avg_mem_gib", "sync_mb_per_update", "peak_pass@1",
-                    f"peak_pass@{k}", "start_pass@1", "gain_pass@1", "gain_se")
+                    f"peak_pass@{k}", "start_pass@1", "gain_pass@1", "gain_se",
+                    "kl_realized_sum", "gain_per_kl")
             out["methods"][method] = {key: _spread([r[key] for r in rows]) for key in keys}
             out["methods"][method]["seeds"] = len(rows)
             out["methods"][method]["updates"] = min(r["updates"] for r in rows)
@@ -322,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updates", type=int, default=None,
                    help="RL updates per run (default: the setup's, 24); with a fresh --runs "
                         "and --results, e.g. a short throughput measurement")
+    p.add_argument("--report-only", action="store_true",
+                   help="write the JSON, table and plot from the runs there are (and those "
+                        "archived in the results JSON); run nothing")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
@@ -341,9 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "-quick" if args.quick else ""
     runs = Path(args.runs or REPO / "runs" / f"quality{suffix}")
     results = Path(args.results or REPO / "benchmarks" / "results")
+    stem = f"quality{suffix}"
+    if args.report_only:
+        report(runs, s, results, stem)
+        return 0
     ensure_model()
     s["start"] = warm_start(s, runs)
-    stem = f"quality{suffix}"
     for until in range(s["round"], s["updates"] + 1, s["round"]):
         for seed in s["seeds"]:
             for method in methods:
