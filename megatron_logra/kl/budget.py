@@ -124,7 +124,11 @@ class KLController:
         self.mismatch = decay * self.mismatch + (1 - decay) * max(0.0, mean_gen_minus_prev)
 
     def budget(self, update: int) -> float:
+        """The scheduled budget less m (at least half of it); the schedule alone with
+        ``mismatch_adjust`` off."""
         scheduled = scheduled_budget(self.cfg, update)
+        if not self.cfg.mismatch_adjust:
+            return scheduled
         return max(scheduled - self.mismatch, 0.5 * scheduled)
 
     def state_dict(self) -> dict:

@@ -28,5 +28,8 @@ class KLControlConfig:
     probe_max_tokens: int = field(default=4096, metadata=flag_spec(minimum=1))
     """Each probe response is cut at this many tokens, prompt included (the reference's
     cap; the forward-mode pass's cost grows with it)."""
+    mismatch_adjust: bool = True
+    """Take the rollout/trainer mismatch average m off the budget (the reference's control;
+    --no-kl-mismatch-adjust: the budget schedule alone, m still measured and logged)."""
     mismatch_decay: float = field(default=0.7, metadata=flag_spec(cli=False))
     """m <- decay m + (1 - decay) max(0, mean(gen - prev)) (the reference's constant)."""

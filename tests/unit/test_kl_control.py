@@ -17,6 +17,7 @@ tangent of a real model against finite differences, and the scaled step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -97,6 +98,10 @@ def test_step_scale_budget_and_mismatch():
     other = kl_control.KLController(cfg)
     other.load_state_dict(state)
     assert other.mismatch == ctl.mismatch
+    # --no-kl-mismatch-adjust: m is still tracked, the budget is the schedule alone
+    plain = kl_control.KLController(dataclasses.replace(cfg, mismatch_adjust=False))
+    plain.observe_mismatch(1e-4)
+    assert plain.mismatch == pytest.approx(3e-5) and plain.budget(0) == pytest.approx(2e-4)
 
 
 # --- the tangent of a real model ----------------------------------------------------------
