@@ -54,6 +54,11 @@ METHODS = {
     "logra-r256": ("logra", ["--logra-rank", "256"]),
     "logra-kl2x": ("logra", ["--kl-budget", "2e-2", "--kl-budget-final", "2e-2"]),
     "logra-amax1": ("logra", ["--kl-alpha-max", "1"]),
+    # Figure 5(a), training against rank (with logra-r256 and the default r=64)
+    "logra-r16": ("logra", ["--logra-rank", "16"]),
+    # Figure 6, step controls (with the default, the paper's control): the budget without
+    # the mismatch adjustment
+    "logra-no-mismatch": ("logra", ["--no-kl-mismatch-adjust"]),
 }
 DEFAULT_METHODS = ("dense", "logra", "lora")
 
