@@ -81,9 +81,19 @@ class SFTBatches:
 
     def __init__(self, samples: list[EncodedSample], *, global_batch_size: int,
                  micro_batch_size: int, seq_length: int, pad_id: int, seed: int):
+        """Samples that keep no answer token within ``seq_length`` (their prompt fills it)
+        are left out (``dropped`` counts them): a batch of them would train on nothing and
+        log a NaN loss. None left is an error naming the setting."""
         if not samples:
             raise ValueError("no training samples")
-        self.samples = samples
+        kept = [x for x in samples if answer_tokens(x, seq_length) > 0]
+        if not kept:
+            need = min(x.num_prompt_tokens for x in samples) + 1
+            raise ValueError(f"--seq-length {seq_length} keeps no answer token of any sample "
+                             f"(the shortest prompt takes {need - 1} tokens): raise "
+                             f"--seq-length to at least {need}")
+        self.dropped = len(samples) - len(kept)
+        self.samples = kept
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.seq_length = seq_length
@@ -112,8 +122,10 @@ class SFTBatches:
 
     def tokens_in_step(self, step: int) -> int:
         """Loss tokens of the global batch (for metrics)."""
-        total = 0
-        for i in self.global_indices(step):
-            s = self.samples[i]
-            total += max(min(len(s.tokens) - 1, self.seq_length) - max(s.num_prompt_tokens - 1, 0), 0)
-        return total
+        return sum(answer_tokens(self.samples[i], self.seq_length)
+                   for i in self.global_indices(step))
+
+
+def answer_tokens(sample: EncodedSample, seq_length: int) -> int:
+    """Loss tokens ``sample`` keeps at ``seq_length`` (``collate``'s loss mask)."""
+    return max(min(len(sample.tokens) - 1, seq_length) - max(sample.num_prompt_tokens - 1, 0), 0)

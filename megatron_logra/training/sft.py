@@ -14,7 +14,8 @@ from megatron.core import parallel_state
 from megatron_logra.config import RunConfig
 from megatron_logra.data.sft import SFTBatches, encode_sft
 from megatron_logra.data.tasks import generate_items
-from megatron_logra.runtime.device import peak_memory_bytes, synchronize
+from megatron_logra.data.tokenizer import load_tokenizer
+from megatron_logra.runtime.device import init_runtime, peak_memory_bytes, synchronize
 from megatron_logra.training import checkpointing
 from megatron_logra.training.log_sinks import open_metrics_log
 from megatron_logra.training.metrics import MetricsLog
@@ -26,22 +27,29 @@ def build_sft_batches(cfg: RunConfig, tokenizer) -> SFTBatches:
     data_seed = cfg.data.data_seed if cfg.data.data_seed is not None else cfg.training.seed
     items = generate_items(cfg.data.tasks, cfg.data.dataset_size, data_seed)
     samples = [encode_sft(tokenizer, item) for item in items]
-    return SFTBatches(samples, global_batch_size=cfg.training.global_batch_size,
-                      micro_batch_size=cfg.training.micro_batch_size,
-                      seq_length=cfg.training.seq_length, pad_id=tokenizer.pad_token_id,
-                      seed=data_seed)
+    batches = SFTBatches(samples, global_batch_size=cfg.training.global_batch_size,
+                         micro_batch_size=cfg.training.micro_batch_size,
+                         seq_length=cfg.training.seq_length, pad_id=tokenizer.pad_token_id,
+                         seed=data_seed)
+    if batches.dropped and dist.get_rank() == 0:
+        print(f"SFT: {batches.dropped} of {len(samples)} samples keep no answer token within "
+              f"--seq-length {cfg.training.seq_length} and are left out", flush=True)
+    return batches
 
 
 def run_sft(cfg: RunConfig) -> RunResult:
+    init_runtime()
+    # the data first: a setting that leaves nothing to train on fails before the model is built
+    batches = build_sft_batches(cfg, load_tokenizer(cfg.model.model_dir,
+                                                    cfg.model.tokenizer_model))
     prep = prepare_training(cfg)
     with open_metrics_log(cfg, dist.get_rank() == 0, prep.start_step) as log:
-        return _train(cfg, prep, log)
+        return _train(cfg, prep, batches, log)
 
 
-def _train(cfg: RunConfig, prep, log: MetricsLog) -> RunResult:
-    objs, tokenizer, start_step, ck = prep.objs, prep.tokenizer, prep.start_step, cfg.checkpoint
+def _train(cfg: RunConfig, prep, batches: SFTBatches, log: MetricsLog) -> RunResult:
+    objs, start_step, ck = prep.objs, prep.start_step, cfg.checkpoint
     is_logger = dist.get_rank() == 0
-    batches = build_sft_batches(cfg, tokenizer)
     skipped = SkippedUpdates(cfg.training.max_skipped_updates)
     result = RunResult(objects=objs)
     dp_rank = parallel_state.get_data_parallel_rank()

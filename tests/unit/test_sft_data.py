@@ -111,3 +111,34 @@ def test_sentencepiece_tokenizer(tmp_path):
     assert isinstance(load_tokenizer(tmp_path / "only"), SentencePieceTokenizer)
     with pytest.raises(FileNotFoundError, match="tokenizer"):
         load_tokenizer(tmp_path)
+
+
+def test_samples_without_an_answer_token_are_left_out_and_none_left_is_an_error():
+    """--seq-length too short for the prompts used to train on 0 tokens and log loss nan;
+    a sample whose prompt fills --seq-length is left out (counted), none left is refused."""
+    fits = EncodedSample([1, 2, 3, 4], 2)  # prompt 2, answer 2: 2 loss tokens at seq 4
+    cut = EncodedSample([1, 2, 3, 4, 5, 6, 7], 5)  # prompt 5: none at seq 4
+    data = SFTBatches([fits, cut, fits], global_batch_size=2, micro_batch_size=1,
+                      seq_length=4, pad_id=0, seed=3)
+    assert data.dropped == 1 and data.samples == [fits, fits]
+    assert all(data.tokens_in_step(s) == 4 for s in range(5))
+    with pytest.raises(ValueError, match="--seq-length 4 keeps no answer token.*at least 6"):
+        SFTBatches([cut], global_batch_size=1, micro_batch_size=1, seq_length=4, pad_id=0,
+                   seed=3)
+
+
+def test_sft_with_a_seq_length_below_every_prompt_stops_with_the_setting(tmp_path):
+    """The run a new user tried: --seq-length 5 on the tiny model's gcd prompts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    launch = Path(__file__).resolve().parents[2] / "launch" / "pretrain_rl.py"
+    proc = subprocess.run([sys.executable, str(launch), "--stage", "sft", "--task", "gcd",
+                           "--seq-length", "5", "--train-iters", "2", "--dataset-size", "20",
+                           "--global-batch-size", "2", "--micro-batch-size", "2",
+                           "--output-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert "--seq-length 5 keeps no answer token" in proc.stdout + proc.stderr
+    assert "loss nan" not in proc.stdout
