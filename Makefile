@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.megatron_logra-installed
 DEMO_DIR ?= runs/demo
 
-.PHONY: setup test test-fast demo paper-cpu bench lock clean-venv
+.PHONY: setup test test-fast demo paper-cpu bench lock clean-venv gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -66,6 +66,21 @@ paper-cpu: setup
 		--output-dir $(PAPER_CPU)/rl --save $(PAPER_CPU)/rl/ckpt
 	$(PY) -m megatron_logra.plot $(PAPER_CPU)/rl --out $(PAPER_CPU)/rl/curves.png
 	@echo "paper-cpu finished: metrics in $(PAPER_CPU)/rl/metrics.jsonl, curves in $(PAPER_CPU)/rl/curves.png"
+
+# The one-GPU check (benchmarks/gpu_check.py; --cpu runs it here, in the tests). Here,
+# where pip reaches the package index: `make gpu-wheels` (megatron-core and what else the
+# GPU machine lacks, requirements/gpu-check.txt, into .whl/). On the GPU machine, with
+# .whl/ carried, its own python3 (not .venv): `make gpu-check GPU_CHECK_OUT=...`.
+GPU_CHECK_OUT ?= runs/gpu-check
+gpu-wheels:
+	bash benchmarks/fetch_gpu_wheels.sh
+
+gpu-check:
+	@ls .whl/*.whl >/dev/null 2>&1 || { echo "no wheels in .whl/: run make gpu-wheels where pip \
+	reaches the package index, and bring .whl/ along"; exit 1; }
+	python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+		--target /tmp/site .whl/*.whl
+	PYTHONPATH=/tmp/site:. python3 benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
 
 # Re-resolve the pinned environment (needs the package index); review the diff.
 lock:
