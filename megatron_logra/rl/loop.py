@@ -52,9 +52,9 @@ from megatron_logra.rl.policy_loss import (REPORT_KEYS, RolloutSample, collate_r
                                            logprobs_report, policy_gradient_loss)
 from megatron_logra.data.tasks import generate_items
 from megatron_logra.rl.verifiers import Verifier, VerifierConfig
+from megatron_logra.runtime.collectives import from_rank0
 from megatron_logra.runtime.device import (current_device, node_devices, peak_memory_bytes,
                                            synchronize)
-from megatron_logra.runtime.collectives import from_rank0
 from megatron_logra.runtime.faults import maybe_fail
 from megatron_logra.training import checkpointing
 from megatron_logra.training.log_sinks import open_metrics_log

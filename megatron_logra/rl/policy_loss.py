@@ -43,7 +43,8 @@ class RolloutSample:
 def collate_rollouts(samples: list[RolloutSample], seq_length: int,
                      pad_id: int) -> dict[str, torch.Tensor]:
     """Microbatch tensors [b, s] (attention_mask [b, 1, s, s], advantages [b]). A sample longer
-    than seq_length + 1 tokens is an error (the engine's max_model_len, --seq-length, prevents it)."""
+    than seq_length + 1 tokens is an error (the engine's max_model_len, --seq-length,
+    prevents it)."""
     b = len(samples)
     tokens = torch.full((b, seq_length), pad_id, dtype=torch.long)
     labels = torch.full((b, seq_length), pad_id, dtype=torch.long)
