@@ -57,8 +57,10 @@ METHODS = {
     # Figure 5(a), training against rank (with logra-r256 and the default r=64)
     "logra-r16": ("logra", ["--logra-rank", "16"]),
     # Figure 6, step controls (with the default, the paper's control): the budget without
-    # the mismatch adjustment
+    # the mismatch adjustment, and a fixed step: the norm-ratio step alone (6e-5: the
+    # controlled runs' alpha is ~1 at this budget, 0.4-1.6 on seed 3's first updates)
     "logra-no-mismatch": ("logra", ["--no-kl-mismatch-adjust"]),
+    "logra-fixed-step": ("logra", ["--kl-control", "none"]),
 }
 DEFAULT_METHODS = ("dense", "logra", "lora")
 
