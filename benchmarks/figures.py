@@ -433,11 +433,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[figures] gradients in {collect(args.model, args.updates)}", flush=True)
         return 0
     if args.command == "sketches":
-        data = {m: sketch_cosines(m) for m in args.models.split(",")
-                if (RUNS / f"grads-{m}").is_dir()}
-        if not data:
+        fresh = {m: sketch_cosines(m) for m in args.models.split(",")
+                 if (RUNS / f"grads-{m}").is_dir()}
+        if not fresh:
             p.error(f"no collected gradients under {RUNS}: run collect first")
-        (RESULTS / "sketch_cosines.json").write_text(json.dumps(data, indent=1) + "\n")
+        path = RESULTS / "sketch_cosines.json"  # other models' entries are kept
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        path.write_text(json.dumps({**data, **fresh}, indent=1) + "\n")
     print(json.dumps({"drawn": draw()}))
     return 0
 
