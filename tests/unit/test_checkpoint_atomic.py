@@ -11,7 +11,7 @@ from megatron_logra.training import checkpointing
 
 def _cfg(tmp_path, *extra):
     return parse_run_config(["--train-iters", "2", "--global-batch-size", "2",
-                             "--micro-batch-size", "1", "--seq-length", "32", "--dataset-size", "8",
+                             "--micro-batch-size", "1", "--seq-length", "64", "--dataset-size", "8",
                              "--output-dir", str(tmp_path / "out"), "--save", str(tmp_path / "ck"),
                              *extra], world_size=1)
 
