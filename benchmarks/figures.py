@@ -29,9 +29,10 @@ as the optimizer is about to step.
 Projections are the project's own (``logra.projection``: counter-based, seeded per
 update and weight). Written to ``benchmarks/results/figures/``: ``sketch_cosines.json``,
 ``fig5b.png``, ``fig5c.png``, ``update_cosine.png``; ``draw`` also draws ``fig5a.png``
-(held-out pass@1 against rank) and ``fig6.png`` (accuracy, response length and realized
-vs predicted KL per step control) from ``benchmarks/results/quality*.json``. Every
-figure is a CPU one.
+(held-out pass@1 against rank: ``quality.py --methods logra-r16,logra,logra-r256``) and
+``fig6.png`` (accuracy, response length and realized vs predicted KL per step control:
+the long-horizon runs named at ``LONG_HORIZON``) from the quality benchmark's JSON.
+Every figure is a CPU one.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "runs" / "figures"
 RESULTS = REPO / "benchmarks" / "results" / "figures"
 RANKS = (16, 64, 256)
+# Figure 6's runs: benchmarks/quality.py --methods logra,logra-no-mismatch,logra-fixed-step
+#   --seeds 1,2 --updates 48 --runs runs/quality-long --results benchmarks/results/long
+LONG_HORIZON = "results/long"
 SKETCHED = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight",
             "linear_fc2.weight")
 # the quality setup's dense Adam run (recipes/quality/dense.yaml) in one process
@@ -311,8 +315,10 @@ def _update_cosine_plot(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _quality_runs() -> dict:
-    path = REPO / "benchmarks" / "results" / "quality.json"
+def _quality_runs(results: str = "results") -> dict:
+    """The runs of ``benchmarks/RESULTS/quality.json`` (``results``: the quality benchmark's
+    --results folder under benchmarks/)."""
+    path = REPO / "benchmarks" / results / "quality.json"
     return json.loads(path.read_text())["runs"] if path.is_file() else {}
 
 
@@ -360,7 +366,8 @@ def _fig6(path: Path) -> bool:
 
     methods = {"logra": "predicted-KL control", "logra-no-mismatch": "budget, no mismatch term",
                "logra-fixed-step": "fixed step (no control)"}
-    runs = _quality_runs()
+    # the long-horizon runs when there are any (LONG_HORIZON), else the quality runs
+    runs = _quality_runs(LONG_HORIZON) or _quality_runs()
     acc = _curves_by_method(runs, methods, "pass@1")
     if not acc:
         return False
