@@ -72,7 +72,7 @@ class DirectChannel:
         self.group = self.store = None
         self.address: GroupAddress | None = None  # rank 0: its store's (prefix set per join)
         self.joined = None  # the engine start the group was built with
-        self.wait_s = 300.0  # the joined group's bound on each send (``p2p.wait_all``)
+        self.wait_s = GroupAddress.timeout_s  # the joined group's bound on each send
         self.sent_here = 0  # bytes this rank has sent (benchmarks)
         self.hf_shapes = hf_param_shapes(arch)
 

@@ -8,7 +8,8 @@ ranks already hold their model and optimizer, so the default can never pass ther
 utilization is therefore sized from what those GPUs have free (measured by the trainer
 ranks on them after releasing their cached blocks), less a margin for the engine
 process's own CUDA context, and a start that cannot fit is refused before vLLM is asked,
-with the settings to change. Pure arithmetic: no CUDA call here.
+with the settings to change. The sizing is pure arithmetic; the measuring is one
+collective at start-up (``shared_gpu_utilization_measured``).
 """
 
 from __future__ import annotations

