@@ -38,9 +38,13 @@ def _global_mean(values: torch.Tensor | None) -> tuple[float, int]:
 
 
 def _moved_anywhere(tangents: UpdateTangents | None) -> bool:
-    """Whether the update moves any rank's weights (a global OR)."""
-    moved = tangents is not None and (bool(tangents.low_rank) or any(
-        bool(t.abs().max() > 0) for t in tangents.dense.values() if t.numel()))
+    """Whether the update moves any rank's weights (a global OR): a dense tangent or a
+    low-rank factor c D with a nonzero entry (an update whose advantages were all zero has
+    sketches, and so D, of zeros: it moves nothing, and K = 0 is right for it)."""
+    moved = tangents is not None and (
+        any(bool(t.abs().max() > 0) for t in tangents.dense.values() if t.numel())
+        or any(t.coefficient != 0 and t.d.numel() and bool(t.d.abs().max() > 0)
+               for t in tangents.low_rank.values()))
     flag = torch.tensor([float(moved)], device=current_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())

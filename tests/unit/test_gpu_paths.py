@@ -150,6 +150,7 @@ def test_k_zero_for_an_update_that_moved_is_an_error(monkeypatch):
     from megatron_logra.kl import controller
     from megatron_logra.kl.config import KLControlConfig
     from megatron_logra.kl.tangent_forward import UpdateTangents
+    from megatron_logra.kl.weight_tangent import LowRankTangent
     from megatron_logra.runtime.parallel import ParallelConfig, initialize
 
     device.init_runtime()
@@ -165,6 +166,13 @@ def test_k_zero_for_an_update_that_moved_is_an_error(monkeypatch):
         step.quadratic_form(None, probe, moved)
     still = UpdateTangents(dense={"w": torch.zeros(3)})
     assert step.quadratic_form(None, probe, still) == 0.0
+    # LoGRA on a batch whose advantages are all zero: every sketch, so D, is zero; the
+    # low-rank tangents exist but move nothing (a real run hit this: it must go on)
+    zero_d = LowRankTangent(2.0, torch.zeros(4, 2), torch.ones(2, 3))
+    assert step.quadratic_form(None, probe, UpdateTangents(low_rank={"slot": zero_d})) == 0.0
+    moved_d = LowRankTangent(2.0, torch.full((4, 2), 1e-3), torch.ones(2, 3))
+    with pytest.raises(RuntimeError, match="never reached the logits"):
+        step.quadratic_form(None, probe, UpdateTangents(low_rank={"slot": moved_d}))
 
 
 # --- 8. versions: CPU patches on CPU only, pins that match the checks ----------------
