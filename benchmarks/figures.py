@@ -210,15 +210,17 @@ def sketch_cosines(model: str, seed: int = 1) -> dict:
                 for n in members:
                     width = g[n].shape[1]
                     g_sum[n] += g[n]
+                    drawn = {}  # each variant's A at this update (LoGRA's is reused below)
                     for v, (kind, refreshed) in variants.items():
-                        a = projection(seed, t if refreshed else 0, n, r, width, kind)
+                        a = drawn[v] = projection(seed, t if refreshed else 0, n, r, width,
+                                                  kind)
                         approx = (g[n] @ a.t()) @ a
                         sums[v][n] += approx
                         dots[v][0] += float((approx * g[n]).sum())
                         dots[v][1] += float(approx.pow(2).sum())
                         dots[v][2] += float(g[n].pow(2).sum())
-                    a = projection(seed, t, n, r, width, "rademacher")
-                    dense, low = adam[n](g[n]), logra[n](g[n], a)
+                    dense = adam[n](g[n])
+                    low = logra[n](g[n], drawn["refreshed-rademacher"])
                     u_dot += float((dense * low).sum())
                     u_a += float(dense.pow(2).sum())
                     u_b += float(low.pow(2).sum())
