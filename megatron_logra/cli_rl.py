@@ -74,6 +74,24 @@ def _check_remote_engine(rl: RLConfig) -> None:
     engine_key()
 
 
+def _check_server_engine(rl: RLConfig) -> None:
+    from urllib.parse import urlparse
+
+    url = urlparse(rl.rollout_engine_url)
+    if url.scheme not in ("http", "https") or not url.hostname or not url.port:
+        raise ValueError(f"--rollout-engine-url {rl.rollout_engine_url!r}: give the vLLM "
+                         f"server's address as http://HOST:PORT")
+    if rl.rollout_engine_address:
+        raise ValueError("--rollout-engine-url and --rollout-engine-address each name the "
+                         "engine: give one")
+    if rl.sync.channel != "direct":
+        raise ValueError("--rollout-engine-url: the weights go into the vLLM server through "
+                         "its weight-transfer routes over --weight-sync-channel direct: add it")
+    if rl.rollout_placement != "inherit":
+        raise ValueError("--rollout-placement places an engine the trainer starts; the server "
+                         "at --rollout-engine-url runs where you started it: drop it")
+
+
 def check_rl(rl: RLConfig, training: TrainingConfig, opt: OptimizerConfig, dp: int) -> None:
     """Raise ValueError naming the flags and the fix (single-flag ranges are checked by
     ``flags`` already)."""
@@ -88,7 +106,9 @@ def check_rl(rl: RLConfig, training: TrainingConfig, opt: OptimizerConfig, dp: i
     if rl.verifier_timeout_s <= 0 or rl.rollout_kv_cache_gib <= 0:
         raise ValueError("--verifier-timeout and --rollout-kv-cache-gib must be > 0")
     check_placement_flags(rl.rollout_placement, rl.rollout_devices)
-    if rl.rollout_engine_address:
+    if rl.rollout_engine_url:
+        _check_server_engine(rl)
+    elif rl.rollout_engine_address:
         _check_remote_engine(rl)
     kl = rl.kl
     if not 0 < kl.budget_end <= kl.budget_start:

@@ -191,7 +191,7 @@ class DirectChannel:
         dist.broadcast_object_list(status, src=0)
         if status[0] or status[1]:
             return Delivery(refused=status[0], failed=status[1])
-        failed, received = "", 0
+        failed, received, before = "", None, self.sent_here
         for outboxes in rounds:
             try:
                 self._send(outboxes)
@@ -213,7 +213,9 @@ class DirectChannel:
         if failed:
             abort_group(self.group)
             self.group, self.joined = None, None
-        return Delivery(failed=failed, sent=received)
+        sent = torch.tensor([self.sent_here - before], dtype=torch.int64)
+        dist.all_reduce(sent)  # what every rank sent (a vLLM server reports no byte count)
+        return Delivery(failed=failed, sent=int(sent) if received is None else received)
 
     def _send(self, outboxes: list[Outbox]) -> None:
         works = []

@@ -106,12 +106,21 @@ class EngineLink:
         on every rank)."""
         status = [""]
         if self.rank == 0 and self.engine is None:
+            cfg = self.engine_cfg
             try:
-                self.engine = RolloutEngine(self.engine_cfg)
-                cfg = self.engine_cfg
-                print(f"rollout engine up in {self.engine.startup_s:.1f}s (vLLM {cfg.dtype}, "
-                      f"TP{cfg.tensor_parallel_size}, dummy weights until the first push)",
-                      flush=True)
+                if cfg.url:  # a server the user runs: connect, the first push is full
+                    from megatron_logra.rollout.vllm_server import VllmServer
+
+                    self.engine = VllmServer(cfg.url, cfg.request_timeout_s,
+                                             cfg.startup_timeout_s)
+                    print(f"rollout engine: the vLLM server at {cfg.url} (TP"
+                          f"{self.engine.world_size}, serving {self.engine.model}); its "
+                          f"weights are replaced by the first push", flush=True)
+                else:
+                    self.engine = RolloutEngine(cfg)
+                    print(f"rollout engine up in {self.engine.startup_s:.1f}s (vLLM "
+                          f"{cfg.dtype}, TP{cfg.tensor_parallel_size}, dummy weights until "
+                          f"the first push)", flush=True)
             except EngineError as exc:
                 status = [f"engine start-up: {exc}"]
         dist.broadcast_object_list(status, src=0)

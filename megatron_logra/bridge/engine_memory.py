@@ -77,7 +77,7 @@ def shared_gpu_utilization_measured(rl, arch, placement) -> float | None:
     from megatron_logra.runtime.device import current_device, release_cached_memory
 
     if (current_device().type != "cuda" or placement.mode == "dedicated"
-            or rl.rollout_engine_address):
+            or rl.rollout_engine_address or rl.rollout_engine_url):
         return None
     release_cached_memory()
     free, total = torch.cuda.mem_get_info()

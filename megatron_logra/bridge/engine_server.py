@@ -23,13 +23,14 @@ from functools import partial
 import torch
 
 from megatron_logra.bridge.engine_lora import ServedAdapter, lora_options
-from megatron_logra.bridge.protocol import (IN_FLIGHT, LIVE_WEIGHTS_ENV, WORKER_EXTENSION,
+from megatron_logra.bridge.protocol import (IN_FLIGHT, WORKER_EXTENSION,
                                             ByValueConnection, Command, Completion,
                                             EngineConfig, PushInFlight, PushRefused, Reply,
                                             SampleRequest, WorkerRPC, call_workers,
                                             require_base)
 from megatron_logra.runtime.faults import engine_fault
 from megatron_logra.runtime.processes import die_with_parent, own_resource_tracker
+from megatron_logra.weight_sync.cpu_live_weights import LIVE_WEIGHTS_ENV
 
 
 def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:

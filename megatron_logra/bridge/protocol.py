@@ -158,7 +158,6 @@ def call_workers(llm, rpc: WorkerRPC, *args) -> list:
 
 
 WORKER_EXTENSION = "megatron_logra.bridge.vllm_worker.VllmWorkerExtension"
-LIVE_WEIGHTS_ENV = "MLOGRA_LIVE_WEIGHTS"
 """Set to "1" before vLLM builds its workers: importing ``vllm_worker`` then keeps the
 CPU linear weights plain and live, so deltas can be applied to them in place."""
 
@@ -188,6 +187,7 @@ class EngineConfig:
     # "HOST:PORT": the engine runs on another node, behind ``engine_host`` (the direct
     # channel carries the weights; messages cross the socket pickled by value)
     remote: str = ""
+    url: str = ""  # a running vLLM server (``rollout.vllm_server``): the engine, not started here
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 1800.0
 

@@ -52,10 +52,12 @@ class WeightSync:
     """The trainer's side of weight sync (collective: every rank calls every method)."""
 
     def __init__(self, cfg: WeightSyncConfig, model_chunks: list, arch, dtype: torch.dtype,
-                 optimizer=None, lora=None, engine_tp: int = 1):
+                 optimizer=None, lora=None, engine_tp: int = 1, server: bool = False):
         """``optimizer``: the ``LograOptimizer`` whose updates a sketch-delta push sends;
         ``lora``: the run's ``LoraConfig`` (LoRA runs), for lora-adapter pushes;
-        ``engine_tp``: the engine's TP size (the direct channel's worker count)."""
+        ``engine_tp``: the engine's TP size (the direct channel's worker count);
+        ``server``: the engine is a vLLM server (``rollout.vllm_server``: pushes over the
+        direct channel through vLLM's weight-transfer routes, checks by vLLM's checksums)."""
         self.cfg = cfg
         adapter_mode = cfg.transport == Transport.LORA_ADAPTER
         if adapter_mode and lora is None:
@@ -66,7 +68,8 @@ class WeightSync:
         self.direct = cfg.channel == Channel.DIRECT
         self.weights = TrainerWeights(model_chunks, arch, dtype, cfg.bucket_mb * 2**20,
                                       merged=not adapter_mode,
-                                      direct_engine_tp=engine_tp if self.direct else 0)
+                                      direct_engine_tp=engine_tp if self.direct else 0,
+                                      server_checksums=server)
         self.rank = self.weights.rank
         self.stats = SyncStats()
         self.full = FullPush(self.weights)

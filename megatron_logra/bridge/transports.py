@@ -50,13 +50,15 @@ class TrainerWeights:
     """The policy's weights as the bridge reads them (built collectively, once per run)."""
 
     def __init__(self, model_chunks: list, arch, dtype: torch.dtype, bucket_bytes: int,
-                 merged: bool = True, direct_engine_tp: int = 0):
+                 merged: bool = True, direct_engine_tp: int = 0,
+                 server_checksums: bool = False):
         """``merged``: full pushes carry LoRA's adapters merged into their weights (an
         engine serving the adapter on its own takes the base: False).
         ``direct_engine_tp``: > 0, pushes go over the direct channel to an engine of this
-        TP size (``direct``); 0: over the rank-0 pipe."""
+        TP size (``direct``); 0: over the rank-0 pipe. ``server_checksums``: the engine is a
+        vLLM server, checked by vLLM's weight checksums instead of fingerprints."""
         self.model, self.arch, self.dtype, self.bucket_bytes = model_chunks, arch, dtype, bucket_bytes
-        self.merged = merged
+        self.merged, self.server_checksums = merged, server_checksums
         self.rank = dist.get_rank()
         self.plan = plan_push(model_chunks, arch)
         self.direct = DirectChannel(model_chunks, arch, self.plan, dtype, direct_engine_tp,
@@ -132,13 +134,36 @@ class FullPush:
 
     def mismatches(self, engine) -> tuple[list[str] | None, str]:
         """(HF names whose trainer and engine fingerprints differ, "") on every rank, or
-        (None, the engine's error)."""
+        (None, the engine's error). A vLLM server is checked by vLLM's own checksums."""
+        if self.weights.server_checksums:
+            return self._checksum_mismatches(engine)
         mine = self.weights.fingerprints()
         bad, failed = [[]], ""
         if self.weights.rank == 0:
             try:
                 theirs = engine.fingerprints(sorted(mine))
                 bad = [[n for n in sorted(mine) if not same_fingerprint(mine[n], theirs[n])]]
+            except EngineError as exc:
+                bad, failed = [None], str(exc)
+        dist.broadcast_object_list(bad, src=0)
+        return bad[0], failed
+
+    def _checksum_mismatches(self, engine) -> tuple[list[str] | None, str]:
+        """The HF tensors behind every vLLM parameter whose checksum on the server differs
+        from what the trainer's weights make (``weight_sync.checksums``); the full weights
+        stream to rank 0 a bucket at a time (a TP gather per parameter, as a full push
+        over the pipe), so this costs a full push's gathers without its sends."""
+        from megatron_logra.weight_sync.checksums import ChecksumBuilder
+
+        w = self.weights
+        builder = ChecksumBuilder(w.arch, w.direct.engine_tp) if w.rank == 0 else None
+        for bucket in w.buckets(record=False):  # rank 0; the others send inside
+            for name, tensor in bucket:
+                builder.add(name, tensor)
+        bad, failed = [[]], ""
+        if w.rank == 0:
+            try:
+                bad = [builder.mismatched(engine.checksums())]
             except EngineError as exc:
                 bad, failed = [None], str(exc)
         dist.broadcast_object_list(bad, src=0)

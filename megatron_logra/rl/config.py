@@ -113,6 +113,11 @@ class RLConfig:
     """HOST:PORT of an engine host on another node (``python -m
     megatron_logra.bridge.engine_host``) to run the rollout engine there; needs
     --weight-sync-channel direct and MEGATRON_LOGRA_ENGINE_KEY on both sides."""
+    rollout_engine_url: str = ""
+    """http://HOST:PORT of a vLLM server to generate the rollouts (started by you, as
+    docs/usage.md shows: VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config
+    '{"backend": "mlogra"}'); the trainer pushes its weights into it through vLLM's RL
+    weight-transfer routes. Needs --weight-sync-channel direct."""
     sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     kl: KLControlConfig = field(default_factory=KLControlConfig)
 

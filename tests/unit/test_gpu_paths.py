@@ -180,12 +180,12 @@ def test_the_cpu_gemm_patch_is_neither_applied_nor_version_checked_on_cuda(monke
     from vllm.model_executor.layers import utils
     from vllm.platforms import current_platform
 
-    from megatron_logra.bridge import vllm_worker
+    from megatron_logra.weight_sync import cpu_live_weights
 
     before = utils.dispatch_cpu_unquantized_gemm
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     monkeypatch.setattr(versions, "_installed", lambda package: "0.11.0")  # would refuse
-    assert vllm_worker.keep_cpu_weights_live() is False
+    assert cpu_live_weights.keep_cpu_weights_live() is False
     assert utils.dispatch_cpu_unquantized_gemm is before
 
 

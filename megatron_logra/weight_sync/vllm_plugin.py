@@ -1,0 +1,28 @@
+"""The ``vllm.general_plugins`` entry point (pyproject.toml): vLLM calls ``register`` in
+every one of its processes (API server, engine core, workers) before a model is built.
+
+It registers the ``mlogra`` weight-transfer backend (``weight_sync.vllm_backend``, imported
+lazily by vLLM's factory when a server is configured for it) and, where the environment
+asks for it (``MLOGRA_LIVE_WEIGHTS=1``, on vLLM's CPU platform), keeps CPU linear weights
+live (``cpu_live_weights``) so pushes can update them in place. It imports nothing of
+megatron-core and touches nothing else.
+"""
+
+from __future__ import annotations
+
+BACKEND_MODULE = "megatron_logra.weight_sync.vllm_backend"
+BACKEND_CLASS = "MlograWeightTransferEngine"
+BACKEND = "mlogra"
+
+
+def register() -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, BACKEND_MODULE, BACKEND_CLASS)
+    except ValueError:  # registered already (vLLM loads plugins once per process)
+        pass
+    from megatron_logra.weight_sync import cpu_live_weights
+
+    if cpu_live_weights.wanted():
+        cpu_live_weights.keep_cpu_weights_live()

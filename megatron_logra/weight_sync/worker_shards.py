@@ -1,0 +1,111 @@
+"""One vLLM worker's live parameters in HF coordinates: where each HF tensor's pieces sit
+(``bridge.vllm_layout``), receiving direct-channel messages into them, and reading them
+back (fingerprints, pieces). Runs inside vLLM's workers, called by the ``mlogra`` weight
+transfer backend (``weight_sync.vllm_backend``) and by the engine worker extension.
+
+Everything is applied in place, each worker into its own TP shard; every message is
+checked against the worker's parameters before any of it is applied
+(``direct_payload.check_message``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class WorkerShards:
+    def __init__(self, model: torch.nn.Module, model_dir: str):
+        """``model``: vLLM's model module on this worker; ``model_dir``: its HF folder
+        (config.json gives the architecture)."""
+        from vllm.distributed import (get_tensor_model_parallel_rank,
+                                      get_tensor_model_parallel_world_size)
+
+        from megatron_logra.model.arch import load_arch
+
+        self.model = model
+        self.arch = load_arch(model_dir)
+        self.tp = get_tensor_model_parallel_world_size()
+        self.tp_rank = get_tensor_model_parallel_rank()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """vLLM's parameter name -> its live tensor (read afresh: a full reload may have
+        replaced the objects)."""
+        return {n: p.data for n, p in self.model.named_parameters(remove_duplicate=False)}
+
+    def locator(self):
+        """``locate(hf_name)`` -> [(live tensor, ``vllm_layout.Placement``)]."""
+        from megatron_logra.bridge.vllm_layout import vllm_placements
+
+        params = self.params()
+
+        def locate(name: str):
+            return [(params[p.param], p)
+                    for p in vllm_placements(self.arch, name, self.tp, self.tp_rank)]
+        return locate
+
+    def layout_problems(self) -> list[str]:
+        """Problems with in-place updates here (empty: none): every HF tensor's pieces must
+        be live parameters of the expected local shape."""
+        from megatron_logra.model.hf_mapping import hf_param_shapes
+
+        problems = []
+        try:
+            locate = self.locator()
+            for name in hf_param_shapes(self.arch):
+                for target, p in locate(name):
+                    width = None if p.col0 is None else p.col1 - p.col0
+                    rows_ok = target.shape[0] >= p.local_row + p.row1 - p.row0
+                    if target.numel() == 0 or not rows_ok or (
+                            width is not None and (target.dim() != 2 or target.shape[1] != width)):
+                        problems.append(f"{name} -> {p.param} {tuple(target.shape)}: expected "
+                                        f"rows {p.local_row}+{p.row1 - p.row0}, width {width}")
+        except (KeyError, ValueError, OSError) as exc:
+            problems.append(f"{type(exc).__name__}: {exc}")
+        return problems
+
+    @torch.inference_mode()
+    def receive(self, group, address, rounds: int) -> int:
+        """Receive ``rounds`` rounds of one message from every trainer rank of ``address``
+        (``p2p.GroupAddress``) and apply each to the live parameters (checked first);
+        returns the bytes received."""
+        from megatron_logra.bridge.direct_payload import apply_message, check_message
+        from megatron_logra.bridge.p2p import recv_message
+        from megatron_logra.bridge.sketch_delta import apply_updates_into, check_updates
+        from megatron_logra.model.hf_mapping import hf_param_shapes
+
+        locate, params = self.locator(), self.params()
+        shapes = hf_param_shapes(self.arch)
+
+        def apply_updates(updates):
+            check_updates(self.arch, updates, shapes)
+            apply_updates_into(self.arch, updates, locate)
+
+        device, received = self.device, 0
+        for _ in range(rounds):
+            for sender in range(address.trainers):
+                meta, tensors, size = recv_message(group, sender, device, address.timeout_s)
+                check_message(meta, tensors, params)
+                apply_message(meta, tensors, params, apply_updates)
+                received += size
+        return received
+
+    def fingerprints(self, names: list[str]) -> dict[str, float]:
+        """This worker's share of each HF tensor's fingerprint (its primary pieces)."""
+        from megatron_logra.bridge.fingerprint import fingerprint
+
+        locate = self.locator()
+        return {name: sum(fingerprint(target[p.local_row:p.local_row + p.row1 - p.row0],
+                                      p.row0, p.col0 or 0)
+                          for target, p in locate(name) if p.primary)
+                for name in names}
+
+    def pieces(self, names: list[str]) -> list[tuple[str, int, int, int | None, torch.Tensor]]:
+        """This worker's primary pieces (name, row0, row1, col0, a CPU copy of the values)."""
+        locate = self.locator()
+        return [(name, p.row0, p.row1, p.col0,
+                 target[p.local_row:p.local_row + p.row1 - p.row0].to("cpu", copy=True))
+                for name in names for target, p in locate(name) if p.primary]

@@ -1,0 +1,93 @@
+"""torchrun worker of tests/distributed/test_vllm_server_engine.py: an RL run whose engine
+is a vLLM server started by the test (``--rollout-engine-url``), checked from inside.
+
+    torchrun --nproc-per-node 2 tests/distributed/server_worker.py OUT.json [launcher flags]
+
+After the start-up push (full), after each of two RL updates (sketch-delta pushes),
+after a push whose delta base the server no longer serves (its version set behind the
+trainer's back: the push goes full) and after a forced full push, rank 0 records: the server's version, the HF tensors whose vLLM
+checksums differ from the trainer's (``engine_mismatches``), the largest difference
+between the trainer's and the server's logprobs on fixed token rows, the bytes and
+transport of the push; around each update's rollouts, the server's generated-token
+counter (``/metrics``) against the tokens the trainer received.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from rl_worker import engine_logprobs, trainer_logprobs
+
+
+def generated_tokens(url: str) -> float:
+    """The server's ``vllm:generation_tokens_total`` (Prometheus text)."""
+    import requests
+
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    return sum(float(m) for m in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)$",
+                                            text, re.M))
+
+
+def main() -> None:
+    from megatron_logra.cli import parse_run_config
+    from megatron_logra.rl.loop import RLRun
+
+    out_path, argv = sys.argv[1], sys.argv[2:]
+    cfg = parse_run_config(argv)
+    url = cfg.rl.rollout_engine_url
+    run = RLRun(cfg)
+    rows = torch.randint(0, run.objs.arch.vocab_size, (3, 24),
+                         generator=torch.Generator().manual_seed(5))
+    result = {"checks": [], "rollouts": []}
+    sent = [0]
+
+    def check(label: str) -> None:
+        mismatches = run.weights.engine_mismatches(run.engine)
+        mine = trainer_logprobs(run, rows)
+        theirs = engine_logprobs(run, rows)
+        if dist.get_rank() == 0:
+            result["checks"].append({
+                "label": label, "mismatches": mismatches, "version": run.version,
+                "server_version": run.engine.version, "transport": run.sync.last_transport,
+                "bytes": run.sync.bytes - sent[0],
+                "logprob_diff": float((mine - theirs).abs().max())})
+        sent[0] = run.sync.bytes
+
+    check("start")
+    first = trainer_logprobs(run, rows)
+    for update in range(2):
+        before = generated_tokens(url) if dist.get_rank() == 0 else 0.0
+        samples, record = run.rollout_batch(update)
+        if dist.get_rank() == 0:
+            result["rollouts"].append({"server_tokens": generated_tokens(url) - before,
+                                       "sample_tokens": sum(len(s.response_ids)
+                                                            for s in samples)})
+        # an untrained model earns no reward: +-1 advantages make the weights move
+        samples = [replace(s, advantage=1.0 if k % 2 else -1.0) for k, s in enumerate(samples)]
+        run.train(samples, update)
+        run.version = update + 1
+        run.push_weights()
+        check(f"update {update + 1}")
+    if dist.get_rank() == 0:  # behind the trainer's back: the next delta has no base
+        run.engine.assume_version(7)
+    run.version = 3
+    run.push_weights()
+    check("version changed")
+    run.push_weights("full")
+    check("forced full")
+    result["moved"] = float((trainer_logprobs(run, rows) - first).abs().max())
+    run.close()
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
