@@ -61,19 +61,6 @@ def _check_objective(rl: RLConfig, training: TrainingConfig, dp: int) -> None:
                          "groups a non-zero advantage)")
 
 
-def _check_remote_engine(rl: RLConfig) -> None:
-    from megatron_logra.bridge.engine_host import engine_key, split_address
-
-    split_address(rl.rollout_engine_address)
-    if rl.sync.channel != "direct":
-        raise ValueError("--rollout-engine-address puts the engine on another node: its "
-                         "weights must travel over --weight-sync-channel direct")
-    if rl.rollout_placement != "inherit":
-        raise ValueError("--rollout-placement places the engine on node 0; with "
-                         "--rollout-engine-address it runs on its own node: drop it")
-    engine_key()
-
-
 def _check_server_engine(rl: RLConfig) -> None:
     from urllib.parse import urlparse
 
@@ -81,9 +68,6 @@ def _check_server_engine(rl: RLConfig) -> None:
     if url.scheme not in ("http", "https") or not url.hostname or not url.port:
         raise ValueError(f"--rollout-engine-url {rl.rollout_engine_url!r}: give the vLLM "
                          f"server's address as http://HOST:PORT")
-    if rl.rollout_engine_address:
-        raise ValueError("--rollout-engine-url and --rollout-engine-address each name the "
-                         "engine: give one")
     if rl.sync.channel != "direct":
         raise ValueError("--rollout-engine-url: the weights go into the vLLM server through "
                          "its weight-transfer routes over --weight-sync-channel direct: add it")
@@ -108,8 +92,6 @@ def check_rl(rl: RLConfig, training: TrainingConfig, opt: OptimizerConfig, dp: i
     check_placement_flags(rl.rollout_placement, rl.rollout_devices)
     if rl.rollout_engine_url:
         _check_server_engine(rl)
-    elif rl.rollout_engine_address:
-        _check_remote_engine(rl)
     kl = rl.kl
     if not 0 < kl.budget_end <= kl.budget_start:
         raise ValueError("need 0 < --kl-budget-final <= --kl-budget")

@@ -182,7 +182,8 @@ class DirectChannel:
         status = ["", ""]  # [refused, failed]: rank 0's answer from the engine
         if self.rank == 0:
             try:
-                engine.expect(kind, base_version=None if kind == Transport.FULL else version - 1)
+                engine.expect(kind, base_version=None if kind == Transport.FULL else version - 1,
+                              version=version)
                 engine.begin_receive(count)
             except PushRefused as exc:
                 status[0] = str(exc)

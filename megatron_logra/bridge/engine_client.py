@@ -45,28 +45,18 @@ class RolloutEngine:
         t0 = time.perf_counter()
         _ENGINE_STARTS[0] += 1
         self.start_id = _ENGINE_STARTS[0]
-        if self.cfg.remote:  # on another node, behind ``engine_host``
-            from megatron_logra.bridge.engine_host import connect
-
-            try:
-                self._conn = connect(self.cfg.remote, self.cfg, self.start_id)
-            except OSError as exc:
-                raise EngineError(f"no engine host at {self.cfg.remote} ({exc}): start "
-                                  f"python -m megatron_logra.bridge.engine_host there") from None
-            self._proc = _RemoteEngine(self._conn)
-        else:
-            ctx = tmp.get_context("spawn")
-            self._conn, child = ctx.Pipe()
-            # vLLM's TP executor starts worker processes, which a daemonic process may not:
-            # a TP > 1 engine is not daemonic, and is killed at exit (before multiprocessing
-            # would wait for it); it also exits by itself when this end of the pipe closes
-            daemon = self.cfg.tensor_parallel_size == 1
-            self._proc = ctx.Process(target=serve, args=(child, self.cfg, self.start_id),
-                                     daemon=daemon)
-            self._proc.start()
-            if not daemon:
-                atexit.register(self._kill)
-            child.close()
+        ctx = tmp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        # vLLM's TP executor starts worker processes, which a daemonic process may not:
+        # a TP > 1 engine is not daemonic, and is killed at exit (before multiprocessing
+        # would wait for it); it also exits by itself when this end of the pipe closes
+        daemon = self.cfg.tensor_parallel_size == 1
+        self._proc = ctx.Process(target=serve, args=(child, self.cfg, self.start_id),
+                                 daemon=daemon)
+        self._proc.start()
+        if not daemon:
+            atexit.register(self._kill)
+        child.close()
         self._call_raw(None, None, self.cfg.startup_timeout_s)
         self.startup_s = time.perf_counter() - t0
         self.version = -1 if self.cfg.load_format == "dummy" else 0
@@ -169,29 +159,6 @@ class RolloutEngine:
         (tests: bit-exactness against the trainer)."""
         return self._call(Command.WEIGHTS, names)
 
-    # --- the direct channel (``bridge.direct``): rank 0 sends, then sends its own part ----
-    def begin_join(self, address) -> None:
-        """Have every worker join the trainer's group (``p2p.GroupAddress``); the answer
-        comes once every trainer rank joined too (``end_call``)."""
-        self._begin(Command.JOIN, address)
-
-    def expect(self, transport: str, base_version: int | None) -> None:
-        """Announce a direct push (``base_version``: a delta's base, None for a full
-        push); ``PushRefused`` when the engine cannot take it, before anything is sent."""
-        if base_version is not None:
-            require_base(base_version, self.version)
-        self._call(Command.EXPECT, (str(transport), base_version))
-
-    def begin_receive(self, rounds: int) -> None:
-        """The workers receive ``rounds`` rounds of messages from every trainer rank; the
-        answer (bytes received) comes with ``end_call``."""
-        self.version = -1
-        self._begin(Command.RECEIVE, rounds)
-
-    def end_call(self):
-        """The answer to the command ``begin_join`` or ``begin_receive`` sent."""
-        return self._answer(self._pending, self.cfg.request_timeout_s)
-
     def commit(self, version: int) -> None:
         if version < 0:
             raise ValueError(f"weight push: version {version} must be >= 0")
@@ -237,6 +204,11 @@ class RolloutEngine:
         self.restarts += 1
         self._start()
 
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id."""
+        return None if self._proc is None else self._proc.pid
+
     def kill_for_test(self) -> None:
         """Simulate an engine crash (tests)."""
         self._proc.kill()
@@ -256,23 +228,3 @@ class RolloutEngine:
                 pass
             self._proc.join(30)
         self._kill()
-
-
-class _RemoteEngine:
-    """What ``RolloutEngine`` needs of its engine's process when the engine runs behind an
-    ``engine_host`` on another node: ending it closes the connection (the engine exits at
-    EOF; the host also ends it before starting the next one)."""
-
-    exitcode = None
-
-    def __init__(self, conn):
-        self.conn = conn
-
-    def is_alive(self) -> bool:
-        return not self.conn.closed
-
-    def kill(self) -> None:
-        self.conn.close()
-
-    def join(self, timeout: float | None = None) -> None:
-        pass

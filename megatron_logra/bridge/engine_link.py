@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron_logra.bridge.engine_client import RolloutEngine
 from megatron_logra.bridge.protocol import Completion, EngineConfig, EngineError, SampleRequest
 from megatron_logra.bridge.sync import SyncStats, WeightSync
-from megatron_logra.runtime.device import release_cached_memory
+from megatron_logra.runtime.device import current_device, release_cached_memory
 from megatron_logra.runtime.progress import Progress
 
 TRIES = 3
@@ -116,11 +116,16 @@ class EngineLink:
                     print(f"rollout engine: the vLLM server at {cfg.url} (TP"
                           f"{self.engine.world_size}, serving {self.engine.model}); its "
                           f"weights are replaced by the first push", flush=True)
-                else:
-                    self.engine = RolloutEngine(cfg)
-                    print(f"rollout engine up in {self.engine.startup_s:.1f}s (vLLM "
-                          f"{cfg.dtype}, TP{cfg.tensor_parallel_size}, dummy weights until "
-                          f"the first push)", flush=True)
+                else:  # vLLM's server, started here
+                    from megatron_logra.rollout.vllm_server import VllmServer
+
+                    self.engine = VllmServer.local(
+                        cfg, Path(cfg.model_dir).parent / "engine.log",
+                        cuda=current_device().type == "cuda")
+                    print(f"rollout engine: vLLM's server up in {self.engine.startup_s:.1f}s "
+                          f"at {self.engine.url} (vLLM {cfg.dtype}, TP"
+                          f"{cfg.tensor_parallel_size}, dummy weights until the first push)",
+                          flush=True)
             except EngineError as exc:
                 status = [f"engine start-up: {exc}"]
         dist.broadcast_object_list(status, src=0)

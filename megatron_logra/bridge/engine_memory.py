@@ -62,8 +62,8 @@ def shared_gpu_utilization(gpus: list[GpuMemory], needed: int) -> float:
 
 def shared_gpu_utilization_measured(rl, arch, placement) -> float | None:
     """Collective. vLLM's ``gpu_memory_utilization`` for this run's engine when it starts on
-    node 0's trainer GPUs (CUDA, ``inherit`` or ``colocated``, not behind an engine host):
-    every rank frees its cached blocks and reports its GPU's free memory; rank 0 sizes the
+    node 0's trainer GPUs (CUDA, ``inherit`` or ``colocated``, not a server at
+    --rollout-engine-url): every rank frees its cached blocks and reports its GPU's free memory; rank 0 sizes the
     engine (TP rank i lands on visible GPU i, local rank i's) and a refusal is raised on
     every rank. None elsewhere (CPU, dedicated GPUs, a remote engine: vLLM's default).
     ``rl``: the run's ``RLConfig``; ``arch``: its ``ModelArch``; ``placement``: its
@@ -77,7 +77,7 @@ def shared_gpu_utilization_measured(rl, arch, placement) -> float | None:
     from megatron_logra.runtime.device import current_device, release_cached_memory
 
     if (current_device().type != "cuda" or placement.mode == "dedicated"
-            or rl.rollout_engine_address or rl.rollout_engine_url):
+            or rl.rollout_engine_url):
         return None
     release_cached_memory()
     free, total = torch.cuda.mem_get_info()

@@ -24,7 +24,7 @@ import torch
 
 from megatron_logra.bridge.engine_lora import ServedAdapter, lora_options
 from megatron_logra.bridge.protocol import (IN_FLIGHT, WORKER_EXTENSION,
-                                            ByValueConnection, Command, Completion,
+                                            Command, Completion,
                                             EngineConfig, PushInFlight, PushRefused, Reply,
                                             SampleRequest, WorkerRPC, call_workers,
                                             require_base)
@@ -37,8 +37,6 @@ def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
     """The engine process: build vLLM, then answer (command, payload) messages.
     ``engine_start``: how many engines the trainer has started, this one included
     (``runtime.faults`` injects its k-th engine fault into the k-th engine)."""
-    if cfg.remote:  # behind an engine host: tensors cross by value (``ByValueConnection``)
-        conn = ByValueConnection(conn)
     die_with_parent()  # a killed trainer rank leaves no engine behind (vLLM's TP workers
     # follow this process through their death pipe)
     own_resource_tracker()  # vLLM's shared-memory queues go when this engine does
@@ -88,10 +86,7 @@ def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
     if cfg.sleep_mode:
         handlers.update({Command.SLEEP: lambda llm, _: llm.sleep(level=1),
                          Command.WAKE: lambda llm, tags: llm.wake_up(tags=tags)})
-    direct = _DirectReceiver()
     if receiver is not None:
-        handlers.update({Command.JOIN: direct.join, Command.EXPECT: direct.expect,
-                         Command.RECEIVE: direct.receive})
         handlers.update({Command.SKETCH_DELTA: receiver.sketch_delta,
                          Command.SPARSE_DELTA: receiver.sparse_delta,
                          Command.FINGERPRINTS: receiver.fingerprints,
@@ -110,8 +105,7 @@ def serve(conn, cfg: EngineConfig, engine_start: int = 1) -> None:
             continue
         try:
             value = handlers[command](llm, payload)
-            after = (direct.fault_point if command == Command.RECEIVE
-                     else _FAULT_AFTER.get(command))
+            after = _FAULT_AFTER.get(command)
             if after:
                 fault(after, committed[0] + 1)
             if command == Command.COMMIT:
@@ -154,34 +148,6 @@ def llm_options(cfg: EngineConfig, *, cuda: bool) -> dict:
 # the fault (``runtime.faults``) injected after a command was carried out, before its reply
 _FAULT_AFTER = {Command.LOAD: "engine-full-push", Command.SKETCH_DELTA: "engine-delta-push",
                 Command.SPARSE_DELTA: "engine-delta-push"}
-
-
-class _DirectReceiver:
-    """The engine process's part in the direct channel (``bridge.direct``): the workers
-    join the trainer's group, a push is checked before any rank sends (``expect``), then
-    the workers receive it (``receive``, blocking until every trainer rank has sent)."""
-
-    def __init__(self):
-        self.joined = False
-        self.fault_point = ""  # the fault (``runtime.faults``) after the expected push
-
-    def join(self, llm, address) -> list[int]:
-        ranks = call_workers(llm, WorkerRPC.JOIN, address)
-        self.joined = True
-        return ranks
-
-    def expect(self, llm, payload: tuple[str, int | None]) -> None:
-        """(transport, base version: None for a full push): refused unless a delta's base
-        is the version every worker serves."""
-        kind, base = payload
-        if not self.joined:
-            raise PushRefused("the engine has not joined the direct weight group")
-        if base is not None:
-            require_base(base, _engine_version(llm))
-        self.fault_point = "engine-full-push" if kind == "full" else "engine-delta-push"
-
-    def receive(self, llm, rounds: int) -> int:
-        return sum(call_workers(llm, WorkerRPC.RECEIVE, rounds))
 
 
 class _PipeProgressBar:

@@ -83,7 +83,7 @@ def plan_placement(mode: str, devices_spec: str, *, engine_tp: int, cuda: bool,
     may run on (``os.sched_getaffinity``). ``local_world_size``: trainer ranks on node 0.
     ``visible``: node 0's ``CUDA_VISIBLE_DEVICES`` (the engine's ids are translated
     through it). ``direct_channel``: --weight-sync-channel direct; ``remote_engine``: the
-    engine runs on another node (--rollout-engine-address)."""
+    engine is a vLLM server the user runs (--rollout-engine-url)."""
     devices = check_placement_flags(mode, devices_spec)
     if cuda and direct_channel and not remote_engine and mode != "dedicated":
         # the direct channel puts trainer ranks and vLLM workers in one NCCL communicator;

@@ -88,12 +88,6 @@ class Command(StrEnum):
     LORA_ADAPTER = "lora_adapter"  # a LoRA adapter in PEFT's format, served from now on
     SLEEP = "sleep"  # sleep mode (colocated): release weights (to host) and KV cache
     WAKE = "wake"  # take back the given parts: ["weights"], ["kv_cache"]
-    # the direct channel (``bridge.direct``): the workers join the trainer's group; a push
-    # is announced (EXPECT: refused unless the engine can take it), then RECEIVE blocks
-    # while every trainer rank sends each worker its pieces
-    JOIN = "join"
-    EXPECT = "expect"
-    RECEIVE = "receive"
     SHUTDOWN = "shutdown"
 
 
@@ -121,35 +115,6 @@ class WorkerRPC(StrEnum):
     SET = "mlogra_set"
     FINGERPRINTS = "mlogra_fingerprints"
     PIECES = "mlogra_pieces"
-    JOIN = "mlogra_join"
-    RECEIVE = "mlogra_receive"
-
-
-class ByValueConnection:
-    """A ``multiprocessing.connection.Connection`` whose messages carry tensors by value.
-    ``Connection.send`` pickles with multiprocessing's ForkingPickler, through which torch
-    shares a tensor as a file descriptor the receiver fetches from the sender's process
-    tree; between an engine host's engine and the trainer (other nodes, other process
-    trees) that fails, so this connection pickles plainly."""
-
-    def __init__(self, conn):
-        self.conn = conn
-
-    def send(self, obj) -> None:
-        self.conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def recv(self):
-        return pickle.loads(self.conn.recv_bytes())
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        return self.conn.poll(timeout)
-
-    @property
-    def closed(self) -> bool:
-        return self.conn.closed
-
-    def close(self) -> None:
-        self.conn.close()
 
 
 def call_workers(llm, rpc: WorkerRPC, *args) -> list:
@@ -184,9 +149,6 @@ class EngineConfig:
     # "dummy": start from random weights, the first push brings the real ones (the direct
     # channel: no weights file on the engine's node, no rank holding the whole model)
     load_format: str = "auto"
-    # "HOST:PORT": the engine runs on another node, behind ``engine_host`` (the direct
-    # channel carries the weights; messages cross the socket pickled by value)
-    remote: str = ""
     url: str = ""  # a running vLLM server (``rollout.vllm_server``): the engine, not started here
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 1800.0

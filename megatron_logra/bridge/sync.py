@@ -52,12 +52,12 @@ class WeightSync:
     """The trainer's side of weight sync (collective: every rank calls every method)."""
 
     def __init__(self, cfg: WeightSyncConfig, model_chunks: list, arch, dtype: torch.dtype,
-                 optimizer=None, lora=None, engine_tp: int = 1, server: bool = False):
+                 optimizer=None, lora=None, engine_tp: int = 1):
         """``optimizer``: the ``LograOptimizer`` whose updates a sketch-delta push sends;
         ``lora``: the run's ``LoraConfig`` (LoRA runs), for lora-adapter pushes;
-        ``engine_tp``: the engine's TP size (the direct channel's worker count);
-        ``server``: the engine is a vLLM server (``rollout.vllm_server``: pushes over the
-        direct channel through vLLM's weight-transfer routes, checks by vLLM's checksums)."""
+        ``engine_tp``: the engine's TP size (the direct channel's worker count). Over the
+        direct channel the engine is vLLM's server (``rollout.vllm_server``): pushes go
+        through its weight-transfer routes, checks by vLLM's checksums."""
         self.cfg = cfg
         adapter_mode = cfg.transport == Transport.LORA_ADAPTER
         if adapter_mode and lora is None:
@@ -69,7 +69,7 @@ class WeightSync:
         self.weights = TrainerWeights(model_chunks, arch, dtype, cfg.bucket_mb * 2**20,
                                       merged=not adapter_mode,
                                       direct_engine_tp=engine_tp if self.direct else 0,
-                                      server_checksums=server)
+                                      server_checksums=self.direct)
         self.rank = self.weights.rank
         self.stats = SyncStats()
         self.full = FullPush(self.weights)

@@ -129,24 +129,6 @@ class VllmWorkerExtension:
                 target[p.local_row:p.local_row + p.row1 - p.row0].copy_(piece)
         return len(tensors)
 
-    # --- the direct channel (``bridge.direct``) ---------------------------------------------
-    def mlogra_join(self, address) -> int:
-        """Join the trainer's direct weight group (``p2p.GroupAddress``) as group rank
-        ``trainers + this worker's TP rank``; returns that rank."""
-        from megatron_logra.bridge.p2p import join_group
-
-        shards = self._mlogra_shards()  # the TP rank, before anything blocks
-        rank = address.trainers + shards.tp_rank
-        self._mlogra_address = address
-        self._mlogra_group = join_group(address, rank, device=shards.device)
-        return rank
-
-    def mlogra_receive(self, rounds: int) -> int:
-        """Receive ``rounds`` rounds of one message from every trainer rank and apply each
-        to this worker's live parameters (checked first); returns the bytes received."""
-        self._mlogra_version = -1
-        return self._mlogra_shards().receive(self._mlogra_group, self._mlogra_address, rounds)
-
     # --- read back, in HF coordinates -------------------------------------------------------
     def mlogra_fingerprints(self, names: list[str]) -> dict[str, float]:
         """This worker's share of each tensor's fingerprint (its primary pieces)."""

@@ -109,10 +109,6 @@ class RLConfig:
     rollout_devices: str = ""
     """--rollout-placement dedicated: node 0's GPUs (visible indices, one per engine TP
     rank, e.g. 6,7) or on CPU its cores (e.g. 6-7) for the engine alone."""
-    rollout_engine_address: str = ""
-    """HOST:PORT of an engine host on another node (``python -m
-    megatron_logra.bridge.engine_host``) to run the rollout engine there; needs
-    --weight-sync-channel direct and MEGATRON_LOGRA_ENGINE_KEY on both sides."""
     rollout_engine_url: str = ""
     """http://HOST:PORT of a vLLM server to generate the rollouts (started by you, as
     docs/usage.md shows: VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config

@@ -88,8 +88,7 @@ class RLRun:
         self.weights = WeightSync(cfg.rl.sync, self.objs.model, self.objs.arch, self.dtype,
                                   optimizer=self.objs.optimizer,
                                   lora=opt.lora if opt.peft == "lora" else None,
-                                  engine_tp=cfg.rl.rollout_tensor_parallel_size,
-                                  server=bool(cfg.rl.rollout_engine_url))
+                                  engine_tp=cfg.rl.rollout_tensor_parallel_size)
         self.sync = self.weights.stats
         self.baseline = adv.RunningBaseline(cfg.rl.baseline_decay)
         extra = self.prep.extra_state or {}
@@ -122,7 +121,7 @@ class RLRun:
             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
             visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
             direct_channel=rl.sync.channel == "direct",
-            remote_engine=bool(rl.rollout_engine_address or rl.rollout_engine_url)))
+            remote_engine=bool(rl.rollout_engine_url)))
         if placement.trainer_cores and os.environ.get("GROUP_RANK", "0") == "0":
             os.sched_setaffinity(0, placement.trainer_cores)
         if self.rank == 0 and (placement.note or placement.devices):
@@ -165,7 +164,7 @@ class RLRun:
             sleep_mode=self.placement.sleep_mode,
             gpu_memory_utilization=self.engine_gpu_utilization,
             load_format="dummy" if self.weights.direct else "auto",
-            remote=rl.rollout_engine_address, url=rl.rollout_engine_url)
+            url=rl.rollout_engine_url)
         print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",
               flush=True)
         verifier = Verifier(VerifierConfig(reward=rl.reward, timeout_s=rl.verifier_timeout_s))

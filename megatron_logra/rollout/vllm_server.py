@@ -23,7 +23,9 @@ What the trainer does through it (``VllmServer``, trainer rank 0):
 A delta on the wrong base version is refused before anything is sent (``PushRefused``,
 as with every engine); a generation at a version other than the trainer's is refused
 (``EngineError``); any failed call raises ``EngineError`` (the caller reconnects and
-pushes full weights). This process never starts or stops the server.
+pushes full weights). A server the user runs is never started or stopped from here; one
+trainer rank 0 started (``VllmServer.local``, ``server_process``) is restarted after a
+failure.
 """
 
 from __future__ import annotations
@@ -44,22 +46,48 @@ class VllmServer:
     """Trainer rank 0's handle on a running vLLM server (see the module doc)."""
 
     def __init__(self, url: str, request_timeout_s: float = 1800.0,
-                 connect_timeout_s: float = 600.0, concurrency: int = 64):
+                 connect_timeout_s: float = 600.0, concurrency: int = 64, owner=None):
+        """``owner``: the ``server_process.LocalServer`` that runs this server (trainer
+        rank 0 started it: ``restart`` starts a fresh one); None: a server the user runs."""
         import requests
 
-        self.url = url.rstrip("/")
-        self.timeout = request_timeout_s
+        self.timeout, self.connect_timeout = request_timeout_s, connect_timeout_s
         self.http = requests.Session()
         self.pool = ThreadPoolExecutor(concurrency)
-        self.start_id = 1  # which group the workers joined: a reconnect makes a fresh one
+        self.owner = owner
+        self.start_id = 0  # which server (and group) this is: a restart makes a fresh one
         self.restarts = 0
         self._call: threading.Thread | None = None
         self._call_result: list = []
+        self._update: dict = {}  # the push ``expect`` opened (its kind and version)
+        self._connect(url)
+
+    @classmethod
+    def local(cls, cfg, log_path, *, cuda: bool) -> VllmServer:
+        """Start vLLM's server for ``cfg`` (``EngineConfig``) here and connect to it."""
+        from megatron_logra.rollout.server_process import LocalServer
+
+        owner = LocalServer(cfg, log_path, cuda=cuda)
+        try:
+            return cls(owner.start(), cfg.request_timeout_s, cfg.startup_timeout_s,
+                       owner=owner)
+        except EngineError:
+            owner.stop()
+            raise
+
+    def _connect(self, url: str) -> None:
         t0 = time.perf_counter()
-        self._wait_healthy(connect_timeout_s)
+        self.url = url.rstrip("/")
+        self.start_id += 1
+        self._wait_healthy(self.connect_timeout)
         self.model = self._get("v1/models")["data"][0]["id"]
         self.world_size = int(self._get("get_world_size")["world_size"])
         self.startup_s = time.perf_counter() - t0
+
+    @property
+    def pid(self) -> int | None:
+        """The server process's id (a server started here; None for one the user runs)."""
+        return None if self.owner is None else self.owner.pid
 
     # --- HTTP ------------------------------------------------------------------------------
     def _request(self, method: str, path: str, **kwargs):
@@ -68,7 +96,8 @@ class VllmServer:
         try:
             r = self.http.request(method, f"{self.url}/{path}", timeout=self.timeout, **kwargs)
         except requests.RequestException as exc:
-            raise EngineError(f"vLLM server {self.url}: {path}: {exc}") from None
+            died = self.owner.exit_note() if self.owner is not None else ""
+            raise EngineError(f"vLLM server {self.url}: {path}: {died or exc}") from None
         if r.status_code == 404 and path in _DEV_ROUTES:
             raise EngineError(f"vLLM server {self.url} has no /{path}: start it with "
                               f"VLLM_SERVER_DEV_MODE=1 (its RL routes)")
@@ -93,6 +122,9 @@ class VllmServer:
                     return
             except requests.RequestException:
                 pass
+            died = self.owner.exit_note() if self.owner is not None else ""
+            if died:
+                raise EngineError(f"vLLM server start-up: {died}")
             if time.monotonic() > deadline:
                 raise EngineError(f"no healthy vLLM server at {self.url} after {timeout_s:.0f} s "
                                   f"(GET /health): is it started, and reachable from here?")
@@ -146,18 +178,20 @@ class VllmServer:
                               f"--rollout-tensor-parallel-size {self.world_size}")
         self._begin("init_weight_transfer_engine", {"init_info": asdict(address)})
 
-    def expect(self, transport: str, base_version: int | None) -> None:
-        """Refuse a delta whose base is not what the server serves (nothing sent yet), then
-        pause generation and open the update."""
+    def expect(self, transport: str, base_version: int | None, version: int) -> None:
+        """A push of ``transport`` that makes ``version`` (``base_version``: a delta's
+        base, None for a full push): refuse a delta whose base is not what the server
+        serves (nothing sent yet), then pause generation and open the update."""
         serving = self.version
         if base_version is not None and serving != base_version:
             raise PushRefused(f"a {transport} push on version {base_version}, the server "
                               f"serves {serving}: push full weights")
         self._post("pause", params={"mode": "abort"})
         self._post("start_weight_update")
+        self._update = {"kind": str(transport), "version": int(version)}
 
     def begin_receive(self, rounds: int) -> None:
-        self._begin("update_weights", {"update_info": {"rounds": int(rounds)}})
+        self._begin("update_weights", {"update_info": {"rounds": int(rounds), **self._update}})
 
     def commit(self, version: int) -> None:
         if version < 0:
@@ -182,6 +216,7 @@ class VllmServer:
                               f"is at {expected_version}: push before generating")
         done, lock, t0 = [0], threading.Lock(), time.perf_counter()
         tokens = [0]
+        dies = phase.startswith("rollouts") and self._fault_due(expected_version + 1)
 
         def one(r: SampleRequest) -> Completion:
             out = self._post("v1/completions", {
@@ -194,6 +229,10 @@ class VllmServer:
             with lock:
                 done[0] += 1
                 tokens[0] += len(ids)
+                if dies and done[0] == 1:  # fault injection: the server dies mid-rollouts
+                    print(f"[fault] the rollout engine (start {self.start_id}) dies at "
+                          f"engine-generate of update {expected_version + 1}", flush=True)
+                    self.owner.kill()
                 if on_progress is not None:
                     rate = tokens[0] / max(time.perf_counter() - t0, 1e-9)
                     on_progress(done[0], len(requests), f"output: {rate:.1f} toks/s")
@@ -209,12 +248,23 @@ class VllmServer:
             return [float(entry[str(tok)]["logprob"]) for tok, entry in zip(row[1:], out[1:])]
         return list(self.pool.map(one, rows))
 
+    def _fault_due(self, update: int) -> bool:
+        from megatron_logra.runtime.faults import engine_fault_due
+
+        return self.owner is not None and engine_fault_due("engine-generate", update,
+                                                          self.start_id)
+
     # --- life cycle ------------------------------------------------------------------------
     def restart(self) -> None:
-        """The server is not ours to restart: wait until it is healthy, drop a half-done
-        update (vLLM refuses a new one while one is open) and join a fresh group at the
-        next push (full weights)."""
+        """A server started here: a fresh one (on dummy weights; the next push is full).
+        A server the user runs is not ours to restart: wait until it is healthy, close a
+        half-done update (vLLM refuses a new one while one is open) and join a fresh group
+        at the next push (full weights)."""
         self._call = None
+        self.restarts += 1
+        if self.owner is not None:
+            self._connect(self.owner.start())
+            return
         self._wait_healthy(self.timeout)
         unversioned = str(UNVERSIONED)  # half-applied weights: the next push must be full
         try:  # close an update the failure left open
@@ -222,12 +272,17 @@ class VllmServer:
         except EngineError:
             self._post("update_weight_version", {"new_version": unversioned})
         self._post("resume")
-        self.restarts += 1
         self.start_id += 1
+
+    def kill_for_test(self) -> None:
+        """The server dies at once, as in a crash (tests; a server started here)."""
+        self.owner.kill()
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
+        if self.owner is not None:
+            self.owner.stop()
 
 
 _DEV_ROUTES = {"weight_info", "get_world_size", "init_weight_transfer_engine", "pause",

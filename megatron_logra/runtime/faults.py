@@ -63,11 +63,17 @@ def maybe_fail(point: str, update: int) -> None:
     _die(f"rank {rank}", point, update)
 
 
-def engine_fault(point: str, update: int, engine_start: int) -> None:
-    """In the engine process: die if the plan says so (``engine_start``: 1 for the first
-    engine the trainer started, 2 for the one after its first restart, ...)."""
+def engine_fault_due(point: str, update: int, engine_start: int) -> bool:
+    """Whether the plan has the ``engine_start``-th engine (1 for the first engine the
+    trainer started, 2 for the one after its first restart, ...) die at ``point`` of
+    ``update``."""
     mine = [(p, u) for p, u, _ in planned() if p in ENGINE_POINTS]
-    if engine_start <= len(mine) and mine[engine_start - 1] == (point, update):
+    return engine_start <= len(mine) and mine[engine_start - 1] == (point, update)
+
+
+def engine_fault(point: str, update: int, engine_start: int) -> None:
+    """In the engine process: die if the plan says so (``engine_fault_due``)."""
+    if engine_fault_due(point, update, engine_start):
         _die(f"the rollout engine (start {engine_start})", point, update)
 
 

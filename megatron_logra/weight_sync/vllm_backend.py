@@ -9,8 +9,8 @@ pushes through its own RL routes (``VLLM_SERVER_DEV_MODE=1``):
   trainer's standalone group (``bridge.p2p``: gloo on CPU, NCCL on CUDA) as group rank
   ``trainers + its TP rank``; every trainer rank is a member, so each sends each worker
   only the pieces of its own shard that worker holds (no gather on any rank);
-- ``/start_weight_update``, then ``/update_weights {"update_info": {"rounds": N}}``: the
-  workers receive N rounds of one message from every trainer rank
+- ``/start_weight_update``, then ``/update_weights {"update_info": {"rounds": N, "kind":
+  K, "version": V}}``: the workers receive N rounds of one message from every trainer rank
   (``bridge.direct_payload``: blocks of full values, changed elements of a sparse delta,
   rows of D of a sketch delta applied as W -= c D A(seed)) and apply each to their live
   parameters, checked first (``worker_shards``);
@@ -30,6 +30,7 @@ vLLM internals used: the ``WeightTransferEngine`` base class and its typed
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine,
@@ -66,6 +67,10 @@ class MlograInitInfo(WeightTransferInitInfo):
 class MlograUpdateInfo(WeightTransferUpdateInfo):
     rounds: int
     """Rounds of one message from every trainer rank."""
+    kind: str = "full"
+    """full | sparse-delta | sketch-delta (fault injection tells them apart)."""
+    version: int = 0
+    """The version this update becomes (fault injection: ``runtime.faults``)."""
 
     def __post_init__(self):
         if self.rounds < 1:
@@ -93,13 +98,26 @@ class MlograWeightTransferEngine(WeightTransferEngine[MlograInitInfo, MlograUpda
         self.address = GroupAddress(**asdict(init_info))
         self.group = join_group(self.address, self.address.trainers + self.shards.tp_rank,
                                 device=self.shards.device)
+        self.shards.zero_vocab_padding()  # as vLLM's loader leaves it (dummy weights: not)
 
     def start_weight_update(self) -> None:
         if self.group is None:
             raise RuntimeError("mlogra: no weight group; call /init_weight_transfer_engine")
 
     def receive_weights(self, update_info: MlograUpdateInfo) -> None:
-        self.shards.receive(self.group, self.address, update_info.rounds)
+        from megatron_logra.runtime.faults import engine_fault
+
+        def after_first_round() -> None:
+            if update_info.kind == "full":
+                engine_fault("engine-full-push", update_info.version, self.engine_start)
+        self.shards.receive(self.group, self.address, update_info.rounds, after_first_round)
+        if update_info.kind != "full":
+            engine_fault("engine-delta-push", update_info.version, self.engine_start)
+
+    @property
+    def engine_start(self) -> int:
+        """Which server of the run this is (``server_process.ENGINE_START_ENV``)."""
+        return int(os.environ.get("MLOGRA_ENGINE_START", "1"))
 
     def finish_weight_update(self) -> None:
         """Nothing to do: every message was applied in place as it came."""

@@ -68,10 +68,25 @@ class WorkerShards:
         return problems
 
     @torch.inference_mode()
-    def receive(self, group, address, rounds: int) -> int:
+    def zero_vocab_padding(self) -> None:
+        """Zero the rows of the vocab parameters past the vocabulary (vLLM pads it to 64;
+        its loader zero-fills them, dummy weights do not, and the checksums include them)."""
+        locate = self.locator()
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            for target, p in locate(name) if name in self._hf_names() else []:
+                target[p.local_row + p.row1 - p.row0:].zero_()
+
+    def _hf_names(self) -> set[str]:
+        from megatron_logra.model.hf_mapping import hf_param_shapes
+
+        return set(hf_param_shapes(self.arch))
+
+    @torch.inference_mode()
+    def receive(self, group, address, rounds: int, after_first_round=None) -> int:
         """Receive ``rounds`` rounds of one message from every trainer rank of ``address``
         (``p2p.GroupAddress``) and apply each to the live parameters (checked first);
-        returns the bytes received."""
+        returns the bytes received. ``after_first_round()``: called once the first round
+        is applied (fault injection)."""
         from megatron_logra.bridge.direct_payload import apply_message, check_message
         from megatron_logra.bridge.p2p import recv_message
         from megatron_logra.bridge.sketch_delta import apply_updates_into, check_updates
@@ -85,12 +100,14 @@ class WorkerShards:
             apply_updates_into(self.arch, updates, locate)
 
         device, received = self.device, 0
-        for _ in range(rounds):
+        for k in range(rounds):
             for sender in range(address.trainers):
                 meta, tensors, size = recv_message(group, sender, device, address.timeout_s)
                 check_message(meta, tensors, params)
                 apply_message(meta, tensors, params, apply_updates)
                 received += size
+            if k == 0 and after_first_round is not None:
+                after_first_round()
         return received
 
     def fingerprints(self, names: list[str]) -> dict[str, float]:

@@ -6,11 +6,14 @@ For each trainer layout of the launch (``LAYOUTS``: bf16 weights, LoGRA in SR mo
 every sketch target, a bf16 engine of vLLM TP1 (norms trained by Adam) or, from
 TP2 x PP2, TP2 (norms frozen)): four RL updates, pushed as
 sparse-delta, sketch-delta, sketch-delta, full (``TRANSPORTS``; the start-up push is full). After
-every push rank 0 compares the engine's held HF tensors with the trainer's weights
-(gathered to HF tensors) element by element, and at the end the logprobs; it checks
-that a delta on the wrong base version is refused with the engine still serving. Each
-layout runs twice: over the rank-0 pipe, and over the direct channel
-(``--weight-sync-channel direct``) with the engine killed once on the way.
+every push rank 0 compares the engine's weights with the trainer's (gathered to HF
+tensors): over the pipe the engine's held HF tensors element by element, a vLLM server
+by vLLM's own checksums of every parameter of every worker; at the end the logprobs;
+it checks that a delta on the wrong base version is refused with the engine still
+serving. Each layout runs twice: over the rank-0 pipe into the engine process, and over
+the direct channel (``--weight-sync-channel direct``) into vLLM's server, which trainer
+rank 0 starts and which is killed once on the way; PP2's direct run goes into the
+server the test started (``BRIDGE_ENGINE_URL``, standing for another node), instead.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ PIPE_LAYOUTS = {world: {**{name: [*flags, *ADAM] for name, flags in layouts.item
 # weights, joins a fresh group and is resynced in full
 DIRECT = ["--weight-sync-channel", "direct"]
 KILL_BEFORE_UPDATE = 2
-REMOTE = "pp2_direct"  # its engine behind an engine host when the launch names one
+REMOTE = "pp2_direct"  # into the test's server when the launch names one
 LAYOUTS = {world: {**layouts, **{f"{name}_direct": [*flags, *DIRECT]
                                  for name, flags in layouts.items()}}
            for world, layouts in PIPE_LAYOUTS.items()}
@@ -64,6 +67,11 @@ def _trainer_hf(run) -> dict[str, torch.Tensor]:
 
 
 def _differing(run) -> list[str] | None:
+    """The HF tensors the engine holds differently from the trainer (rank 0)."""
+    if run.weights.direct:  # a vLLM server: its checksums
+        names, failed = run.weights.full.mismatches(run.engine)
+        assert not failed, failed
+        return names if dist.get_rank() == 0 else None
     mine = _trainer_hf(run)
     if dist.get_rank() != 0:
         return None
@@ -71,9 +79,24 @@ def _differing(run) -> list[str] | None:
     return sorted(n for n in mine if not torch.equal(mine[n], theirs[n]))
 
 
+def _refused(run) -> bool:
+    """A delta on a base the engine does not serve is refused, nothing applied (rank 0)."""
+    from megatron_logra.bridge.protocol import PushRefused
+
+    try:
+        if run.weights.direct:
+            run.engine.expect("sketch-delta", base_version=run.version + 5,
+                              version=run.version + 6)
+        else:
+            run.engine.sketch_delta([], [], base_version=run.version + 5,
+                                    version=run.version + 6)
+        return False
+    except PushRefused as exc:
+        return "push full weights" in str(exc)
+
+
 def _check_layout(argv: list[str], kill_engine: bool = False) -> dict:
     from megatron_logra.cli import parse_run_config
-    from megatron_logra.bridge.protocol import PushRefused
     from megatron_logra.rl.loop import RLRun
     from rl_worker import engine_logprobs, trainer_logprobs
 
@@ -98,18 +121,14 @@ def _check_layout(argv: list[str], kill_engine: bool = False) -> dict:
                              generator=torch.Generator().manual_seed(5))
         trainer = trainer_logprobs(run, rows)
         engine = engine_logprobs(run, rows)
+        full = _trainer_hf(run)
         if dist.get_rank() == 0:
             out["logprob_diff"] = float((trainer - engine).abs().max())
-            out["full_bytes"] = sum(t.numel() * t.element_size()
-                                    for t in run.engine.engine_weights(
-                                        sorted(run.weights.hf_source)).values())
-            try:  # a delta on a base the engine does not serve: refused, nothing applied
-                run.engine.sketch_delta([], [], base_version=run.version + 5,
-                                        version=run.version + 6)
-                out["refused"] = False
-            except PushRefused as exc:
-                out["refused"] = "push full weights" in str(exc)
-            out["serving_after_refusal"] = run.engine.engine_version() == run.version
+            out["full_bytes"] = sum(t.numel() * t.element_size() for t in full.values())
+            out["refused"] = _refused(run)
+            served = (run.engine.version if run.weights.direct
+                      else run.engine.engine_version())
+            out["serving_after_refusal"] = served == run.version
         out["fingerprint_mismatches"] = run.sync.fingerprint_mismatches
         out["restarts"] = run.sync.restarts
     finally:
@@ -126,11 +145,12 @@ def main() -> None:
     rt = init_runtime()
     result = {}
     for name, flags in LAYOUTS[rt.world_size].items():
-        remote = os.environ.get("BRIDGE_REMOTE_ENGINE", "") if name == REMOTE else ""
-        if remote:  # the engine runs behind the test's engine host ("another node")
-            flags = [*flags, "--rollout-engine-address", remote]
+        remote = os.environ.get("BRIDGE_ENGINE_URL", "") if name == REMOTE else ""
+        if remote:  # the test's server ("another node"), serving the test's model folder
+            flags = [*flags, "--rollout-engine-url", remote,
+                     "--model-dir", os.environ["BRIDGE_MODEL_DIR"]]
         result[name] = _check_layout([*BASE, *flags, "--output-dir", f"{run_dir}/{name}"],
-                                     kill_engine=name.endswith("_direct"))
+                                     kill_engine=name.endswith("_direct") and not remote)
         result[name]["remote_engine"] = bool(remote)
         if rt.rank == 0:
             print(f"[bridge] {name}: {result[name]}", flush=True)

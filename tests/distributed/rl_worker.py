@@ -86,7 +86,7 @@ def main() -> None:
     dist.all_gather_object(cores, sorted(os.sched_getaffinity(0)))
     result["trainer_cores"] = cores
     if dist.get_rank() == 0:
-        result["engine_cores"] = sorted(os.sched_getaffinity(run.engine._proc.pid))
+        result["engine_cores"] = sorted(os.sched_getaffinity(run.engine.pid))
     result["optimizer_steps"] = getattr(run.objs.optimizer, "steps", None)
     run.close()
     if dist.get_rank() == 0:

@@ -11,18 +11,20 @@ sketch-delta, full. After every push every HF tensor the engine holds equals the
 trainer's bit for bit; the fingerprints never disagreed; a delta on the wrong base
 version is refused with the previous version still serving; the engine's logprobs
 match the trainer's to bf16 precision. Every layout also runs over the direct channel
-(each trainer rank sends each vLLM worker its own pieces), with one engine restart;
-PP2's engine then runs behind an engine host (``bridge.engine_host``, a process of its
-own standing for another node), reached over its socket.
+into vLLM's own server (each trainer rank sends each server worker its own pieces,
+through vLLM's weight-transfer routes and this project's ``mlogra`` backend; the
+server's weights checked by vLLM's checksums), which trainer rank 0 starts and which is
+killed once on the way; PP2's direct run goes into a server the test starts
+(``--rollout-engine-url``, standing for another node).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,36 +38,37 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "distributed" / "bridge_worker.py"
 
 
-KEY = "bridge-test-key"
-
-
 @contextmanager
-def _engine_host(tmp: Path):
-    """An engine host (``bridge.engine_host``) in a process of its own, standing for
-    another node: HOST:PORT once it listens."""
-    address = f"127.0.0.1:{free_port()}"
-    log = tmp / "engine_host.log"
-    env = dict(os.environ, MEGATRON_LOGRA_ENGINE_KEY=KEY, PYTHONUNBUFFERED="1",
-               OMP_NUM_THREADS="1", TMPDIR=str(tmp))
-    with open(log, "w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "megatron_logra.bridge.engine_host",
-                                 "--listen", address], env=env, stdout=sink,
-                                stderr=subprocess.STDOUT)
+def _server(tmp: Path):
+    """vLLM's server on a tiny model (TP1, bf16) as a user starts it (docs/usage.md), in a
+    process of its own standing for another node: (URL, model folder)."""
+    from megatron_logra.model.tiny_assets import write_tiny_hf_checkpoint
+
+    model = write_tiny_hf_checkpoint(tmp / "server_model")
+    port = free_port()
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", MLOGRA_LIVE_WEIGHTS="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", TMPDIR=str(tmp),
+               VLLM_CACHE_ROOT=str(tmp / "vllm-cache"))
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "96",
+            "--enforce-eager", "--kv-cache-memory-bytes", "256M", "--max-num-seqs", "64",
+            "--max-num-batched-tokens", "6144", "--logprobs-mode", "processed_logprobs",
+            "--weight-transfer-config", '{"backend": "mlogra"}']
+    with open(tmp / "server.log", "w") as sink:
+        proc = subprocess.Popen(argv, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while "listening" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
-        yield address
+        yield f"http://127.0.0.1:{port}", model
     finally:
-        proc.terminate()  # its engine dies with it (PR_SET_PDEATHSIG)
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(60)
 
 
-def _launch(world: int, tmp: Path, remote_engine: str = "") -> dict:
+def _launch(world: int, tmp: Path, server: tuple[str, Path] | None = None) -> dict:
     out = tmp / f"bridge{world}.json"
+    url, model = server or ("", "")
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               BRIDGE_REMOTE_ENGINE=remote_engine, MEGATRON_LOGRA_ENGINE_KEY=KEY)
+               BRIDGE_ENGINE_URL=url, BRIDGE_MODEL_DIR=str(model))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(world), str(WORKER), str(out), str(tmp / "runs")]
     proc = subprocess.run(cmd, cwd=WORKER.parent, env=env, capture_output=True, text=True,
@@ -79,9 +82,9 @@ def layouts(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("bridge")
     results = {}
     for world in (1, 2, 4):
-        if world == 2:  # its pp2_direct layout's engine runs behind an engine host
-            with _engine_host(tmp) as address:
-                results.update(_launch(world, tmp, address))
+        if world == 2:  # its pp2_direct layout's engine is a server the test started
+            with _server(tmp) as server:
+                results.update(_launch(world, tmp, server))
         else:
             results.update(_launch(world, tmp))
     return results
@@ -95,14 +98,16 @@ LAYOUTS = ["tp1", "tp2", "pp2", "tp2pp2", "tp2pp2_engine_tp2"]
 def test_every_transport_is_bit_exact(layouts, layout, channel):
     """Both channels leave the engine holding the trainer's weights bit for bit after
     every push, so they give identical engine weights. The direct layouts lose their
-    engine once: it restarts on dummy weights, rejoins and is resynced in full."""
+    server once (rank 0 started it): a fresh one starts on dummy weights, joins and is
+    resynced in full; PP2's direct run goes into the test's server."""
     got = layouts[layout if channel == "pipe" else f"{layout}_direct"]
     assert got["transports"] == ["sparse-delta", "sketch-delta", "sketch-delta", "full"], got
     assert got["differing"] == [[]] * 4, got
     assert got["fingerprint_mismatches"] == 0
     assert got["refused"] and got["serving_after_refusal"]
     assert got["logprob_diff"] < 0.05, got  # bf16 engine vs bf16 trainer forward
-    assert got["restarts"] == (1 if channel == "direct" else 0), got
+    remote = layout == "pp2" and channel == "direct"
+    assert got["restarts"] == (1 if channel == "direct" and not remote else 0), got
     assert got["remote_engine"] == (layout == "pp2" and channel == "direct"), got
 
 

@@ -37,7 +37,7 @@ EXPECTED_FLAGS = {
     "--temperature", "--rollout-seed", "--tis-cap", "--baseline-decay", "--reward",
     "--verifier-timeout", "--eval-interval", "--eval-prompts", "--eval-samples",
     "--rollout-tensor-parallel-size", "--rollout-dtype", "--rollout-kv-cache-gib",
-    "--rollout-placement", "--rollout-devices", "--rollout-engine-address", "--rollout-engine-url",
+    "--rollout-placement", "--rollout-devices", "--rollout-engine-url",
     "--weight-sync-channel", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
     "--sync-bucket-mb", "--kl-control", "--kl-budget", "--kl-budget-final", "--kl-budget-steps",
     "--kl-alpha-max", "--kl-probe-responses", "--kl-probe-max-tokens", "--kl-mismatch-adjust",

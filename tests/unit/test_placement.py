@@ -89,26 +89,15 @@ def test_flags_reach_the_config_and_are_checked_at_parse():
             parse_run_config([*rl, *argv], world_size=1)
 
 
-def test_the_direct_channel_and_a_remote_engine_are_checked_at_parse(monkeypatch):
+def test_the_direct_channel_is_checked_at_parse():
     rl = ["--stage", "rl", "--prompts-per-step", "4", "--responses-per-prompt", "4",
           "--micro-batch-size", "4"]
     direct = ["--weight-sync-channel", "direct"]
-    remote = ["--rollout-engine-address", "engine-node:29600"]
-    monkeypatch.delenv("MEGATRON_LOGRA_ENGINE_KEY", raising=False)
     assert parse_run_config([*rl, *direct], world_size=1).rl.sync.channel == "direct"
-    for argv, why in (
-            ([*direct, "--peft", "lora", "--weight-sync", "lora-adapter"],
-             "lora-adapter goes through vLLM's LoRA loader.*--weight-sync-channel pipe"),
-            (remote, "must travel over --weight-sync-channel direct"),
-            ([*remote, *direct], "set MEGATRON_LOGRA_ENGINE_KEY"),
-            (["--rollout-engine-address", "engine-node", *direct], "expected HOST:PORT"),
-            ([*remote, *direct, "--rollout-placement", "dedicated", "--rollout-devices", "1"],
-             "runs on its own node: drop it")):
-        with pytest.raises(ValueError, match=why):
-            parse_run_config([*rl, *argv], world_size=1)
-    monkeypatch.setenv("MEGATRON_LOGRA_ENGINE_KEY", "secret")
-    cfg = parse_run_config([*rl, *remote, *direct], world_size=1)
-    assert cfg.rl.rollout_engine_address == "engine-node:29600"
+    with pytest.raises(ValueError, match="lora-adapter goes through vLLM's LoRA loader.*"
+                                         "--weight-sync-channel pipe"):
+        parse_run_config([*rl, *direct, "--peft", "lora", "--weight-sync", "lora-adapter"],
+                         world_size=1)
 
 
 def test_optimizer_cpu_offload_reaches_megatron_on_cuda_and_is_refused_on_cpu(monkeypatch):

@@ -1,0 +1,138 @@
+"""Trainer rank 0 runs vLLM's own server as its rollout engine (no ``--rollout-engine-url``).
+
+The server is the one a user would start (``rollout.vllm_server`` drives it over HTTP),
+launched as a child process of trainer rank 0 on a free port:
+
+- the model folder holds config and tokenizer only: the server starts on vLLM's dummy
+  weights (``--load-format dummy``) and the first push (full, through the ``mlogra``
+  weight-transfer backend) brings the trainer's;
+- its placement (``bridge.placement``) is its environment (``CUDA_VISIBLE_DEVICES``,
+  ``VLLM_CPU_OMP_THREADS_BIND``) and, on CPU with dedicated cores, its affinity;
+- on CPU: linear weights kept live (``MLOGRA_LIVE_WEIGHTS=1``), a token budget that
+  never splits a prompt, and at TP1 the engine in the server's own process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: it starts in ~15 s instead of ~30 s);
+- it dies with trainer rank 0 (``PR_SET_PDEATHSIG``, kept across exec), and its whole
+  process group is killed on ``stop`` (a TP>1 server's workers included);
+- ``MLOGRA_ENGINE_START`` numbers the servers this run started (fault injection,
+  ``runtime.faults``); its output goes to ``OUTPUT_DIR/engine.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_logra.bridge.protocol import EngineConfig
+from megatron_logra.rollout.vllm_server import BACKEND
+from megatron_logra.runtime.device import free_port
+
+ENGINE_START_ENV = "MLOGRA_ENGINE_START"
+
+
+def server_argv(cfg: EngineConfig, port: int, *, cuda: bool) -> list[str]:
+    """vLLM's server command line for ``cfg`` (the flags docs/usage.md explains)."""
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", cfg.model_dir, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len),
+            "--seed", str(cfg.seed), "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+            "--max-num-seqs", str(cfg.max_num_seqs), "--enforce-eager",
+            "--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * 2**30)),
+            "--logprobs-mode", "processed_logprobs", "--load-format", cfg.load_format,
+            "--weight-transfer-config", json.dumps({"backend": BACKEND}),
+            "--disable-log-stats", "--uvicorn-log-level", "warning"]
+    if cfg.tensor_parallel_size == 1:
+        argv += ["--distributed-executor-backend", "uni"]
+    if cuda:
+        if cfg.gpu_memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+        if cfg.sleep_mode:
+            argv += ["--enable-sleep-mode"]
+    else:
+        # seeded requests fail on CPU when their prefill is chunked ("CPU Generator does
+        # not use offset"): a token budget that never splits a prompt over steps
+        argv += ["--max-num-batched-tokens", str(cfg.max_model_len * cfg.max_num_seqs)]
+    return argv
+
+
+def server_env(cfg: EngineConfig, engine_start: int, *, cuda: bool) -> dict[str, str]:
+    env = dict(os.environ, **dict(cfg.env), VLLM_SERVER_DEV_MODE="1",
+               PYTHONUNBUFFERED="1")
+    env[ENGINE_START_ENV] = str(engine_start)
+    env.setdefault("VLLM_CACHE_ROOT", str(Path(cfg.model_dir) / ".vllm-cache"))
+    if not cuda:
+        env["MLOGRA_LIVE_WEIGHTS"] = "1"
+        if cfg.tensor_parallel_size == 1:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        else:
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                           "|".join(str(i) for i in range(cfg.tensor_parallel_size)))
+    return env
+
+
+class LocalServer:
+    """One vLLM server process at a time, started by trainer rank 0."""
+
+    def __init__(self, cfg: EngineConfig, log_path: str | Path, *, cuda: bool):
+        self.cfg, self.log_path, self.cuda = cfg, Path(log_path), cuda
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> str:
+        """Launch a fresh server; returns its URL (it may still be starting up)."""
+        self.stop()
+        self.starts += 1
+        port = free_port()
+        cores = self.cfg.cpu_cores
+
+        def in_child() -> None:
+            from megatron_logra.runtime.processes import die_with_parent
+
+            die_with_parent()
+            if cores:  # dedicated cores: trainer rank 0's affinity excludes them
+                os.sched_setaffinity(0, cores)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("a") as log:
+            log.write(f"--- vLLM server start {self.starts} ---\n")
+            log.flush()
+            self.proc = subprocess.Popen(
+                server_argv(self.cfg, port, cuda=self.cuda),
+                env=server_env(self.cfg, self.starts, cuda=self.cuda), stdout=log,
+                stderr=subprocess.STDOUT, preexec_fn=in_child, start_new_session=True)
+        return f"http://127.0.0.1:{port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def exit_note(self) -> str:
+        """Why a server that should answer does not (for error messages)."""
+        if self.proc is None or self.proc.poll() is None:
+            return ""
+        return f"the vLLM server exited with code {self.proc.returncode}; see {self.log_path}"
+
+    def kill(self) -> None:
+        """The server dies at once, as in a crash (tests, fault injection)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        """End the server and everything it started (its process group)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # workers left behind by a server that died
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+        self.proc = None
