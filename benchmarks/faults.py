@@ -6,8 +6,8 @@ Every case is one torchrun job (DP2 on gloo, the tiny model, a real vLLM engine,
 the RL settings of ``tests/distributed/test_rl_faults.py``: LoGRA, sketch-delta sync,
 bf16, predicted-KL control, 4 updates, a checkpoint every 2) under ``--max-restarts 1``,
 meeting one fault (``runtime.faults``, or a checkpoint damaged before the job starts;
-the ``direct-*`` cases send the weights over the direct channel, the reference does not:
-their engines must still end up with the same weights),
+the ``direct-*`` cases send the weights over the direct channel into vLLM's own server,
+the reference does not: their engines must still end up with the same weights),
 with a tag in its environment that every process it starts inherits
 (``tests/distributed/fault_launch.py``). An uninterrupted job is the reference. Per case:
 
@@ -18,7 +18,7 @@ with a tag in its environment that every process it starts inherits
 - ``saves_dropped``: saves that failed cleanly (the previous checkpoint kept selected);
 - ``mismatches``: updates whose metrics differ from the reference's, plus 1 if the
   final weights differ, plus the engine's tensors that differ from the trainer's at the
-  end (fingerprints); the target is 0;
+  end (fingerprints; a vLLM server: its checksums); the target is 0;
 - ``orphans`` and ``leaked_shm``: processes and /dev/shm entries left once the job ended;
 - ``engine_restarts``, ``resumes`` (from a checkpoint, after torchrun restarted the job
   or by ``--auto-resume``) and the job's wall time.
@@ -61,15 +61,16 @@ INJECTED = {
                                    "sketch-delta push (applied, not committed)"),
     "engine-dies-mid-full-push": ("engine-full-push@3", "the engine dies in update 3's full "
                                   "(anchor) push, its first bucket loaded, not committed"),
-    # the same job over the direct channel (every rank sends each vLLM worker its pieces)
-    "direct-engine-dies-mid-rollout": ("engine-generate@2", "direct channel: the engine "
+    # the same job over the direct channel: the engine is vLLM's server (rank 0 starts it;
+    # every rank sends each server worker its pieces through vLLM's weight-transfer routes)
+    "direct-engine-dies-mid-rollout": ("engine-generate@2", "direct channel: vLLM's server "
                                        "dies in update 2's rollouts"),
-    "direct-engine-dies-mid-delta-push": ("engine-delta-push@2", "direct channel: the engine "
-                                          "dies in update 2's sketch-delta push (received, "
-                                          "not committed)"),
-    "direct-engine-dies-mid-full-push": ("engine-full-push@3", "direct channel: the engine "
-                                         "dies in update 3's full (anchor) push, received, "
-                                         "not committed"),
+    "direct-engine-dies-mid-delta-push": ("engine-delta-push@2", "direct channel: vLLM's "
+                                          "server dies in update 2's sketch-delta push "
+                                          "(received, not finished)"),
+    "direct-engine-dies-mid-full-push": ("engine-full-push@3", "direct channel: vLLM's "
+                                         "server dies in update 3's full (anchor) push, its "
+                                         "first round received, not finished"),
     "direct-rank1-dies-mid-sync": ("sync@3:1", "direct channel: trainer rank 1 dies as "
                                    "update 3's weight push starts"),
 }

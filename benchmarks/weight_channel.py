@@ -6,8 +6,9 @@
 One torchrun job per engine TP size: a trainer at TP x PP (4 CPU processes at TP2 x
 PP2) of a 160M-parameter random-init Llama shape (``SHAPE``), bf16 weights, LoGRA in SR
 mode on every target (embedding and output layer included; the rest frozen), and two live
-bf16 vLLM engines of that TP size, one fed over the rank-0 pipe and one over the direct
-channel (``--weight-sync-channel direct``). Per update (a real LoGRA step on a random
+bf16 vLLM engines of that TP size: an engine process fed over the rank-0 pipe, and vLLM's
+own server fed over the direct channel (``--weight-sync-channel direct``: vLLM's
+weight-transfer routes into the ``mlogra`` backend; exactness by vLLM's checksums). Per update (a real LoGRA step on a random
 batch) each engine gets the same delta (sketch-delta on odd updates, sparse-delta on
 even ones), then the same full push; the two channels take turns going first. Per push:
 wall time (all ranks, barrier to barrier), the bytes the engine took (pipe: what crossed
@@ -137,7 +138,10 @@ def worker(args) -> None:
         mine = {n: t for b in full_push(objs.model, arch, links["pipe"].sync.plan,
                                         dtype=torch.bfloat16) for n, t in b}
         for channel, link in links.items():
-            if rt.rank == 0:
+            if channel == "direct":  # vLLM's server: its checksums (collective)
+                bad, failed = link.sync.full.mismatches(link.engine)
+                exact[channel] = not failed and bad == []
+            elif rt.rank == 0:
                 theirs = link.engine.engine_weights(sorted(mine))
                 exact[channel] = all(torch.equal(mine[n], theirs[n]) for n in mine)
     finally:
