@@ -333,26 +333,57 @@ def _curves_by_method(runs: dict, methods: dict[str, str], key: str) -> dict:
     return out
 
 
+def _gain_curve(run: list) -> dict[int, float]:
+    """update -> held-out pass@1 minus the run's own pass@1 before its first update (the
+    seeds' eval samples differ, so their starts do)."""
+    start = dict(run)[0]
+    return {u: v - start for u, v in run}
+
+
 def _fig5a(path: Path) -> bool:
-    """Held-out pass@1 per update against rank (quality runs of LoGRA at r=16, 64, 256)."""
+    """Training against rank (quality runs of LoGRA at r=16, 64, 256, with dense Adam):
+    left, each run's pass@1 gain over its own start per update (thin: seeds; thick: the
+    mean over seeds where every seed has the update); right, the gain at the longest
+    horizon every rank reached on some seed, per seed that reached it, against the rank."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = _curves_by_method(_quality_runs(), {"logra-r16": "r=16", "logra": "r=64",
-                                                 "logra-r256": "r=256", "dense": "dense Adam"},
-                               "pass@1")
-    if not curves:
+    ranks = {"logra-r16": ("r=16", 16), "logra": ("r=64", 64), "logra-r256": ("r=256", 256)}
+    curves = _curves_by_method(_quality_runs(), {**{m: lab for m, (lab, _) in ranks.items()},
+                                                 "dense": "dense Adam"}, "pass@1")
+    if not any(lab in curves for lab, _ in ranks.values()):
         return False
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for label, runs in curves.items():
-        for k, run in enumerate(runs):
-            ax.plot(*zip(*run), alpha=0.8, label=label if k == 0 else None,
-                    color=f"C{list(curves).index(label)}")
-    ax.set_xlabel("update")
-    ax.set_ylabel("held-out pass@1")
-    ax.legend()
+    gains = {label: [_gain_curve(run) for run in runs] for label, runs in curves.items()}
+    horizon = min(max(max(g) for g in runs) for label, runs in gains.items()
+                  if label != "dense Adam")  # the longest every rank reached on some seed
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for i, (label, runs) in enumerate(gains.items()):
+        color = f"C{i}"
+        for run in runs:
+            left.plot(*zip(*sorted(run.items())), color=color, alpha=0.3, lw=0.8)
+        shared = sorted(set.intersection(*(set(r) for r in runs)))
+        left.plot(shared, [sum(r[u] for r in runs) / len(runs) for u in shared], color=color,
+                  lw=2, label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        at = [r[horizon] for r in runs if horizon in r]
+        x = dict(ranks.values()).get(label) if label != "dense Adam" else None
+        if x is None:
+            right.axhspan(min(at), max(at), color=color, alpha=0.15, label=f"{label} (range)")
+            right.axhline(sum(at) / len(at), color=color, lw=1.5)
+        else:
+            right.scatter([x] * len(at), at, color=color, s=18)
+            right.scatter([x], [sum(at) / len(at)], color=color, marker="_", s=300)
+    left.axhline(0, color="k", lw=0.5)
+    left.set_xlabel("update")
+    left.set_ylabel("held-out pass@1 gain over the start")
+    left.legend(fontsize=8)
+    right.set_xscale("log", base=2)
+    right.set_xticks([16, 64, 256], ["16", "64", "256"])
+    right.set_xlabel("LoGRA rank r")
+    right.set_ylabel(f"pass@1 gain after {horizon} updates")
+    right.axhline(0, color="k", lw=0.5)
+    right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
