@@ -6,8 +6,8 @@ Every case is one torchrun job (DP2 on gloo, the tiny model, a real vLLM engine,
 the RL settings of ``tests/distributed/test_rl_faults.py``: LoGRA, sketch-delta sync,
 bf16, predicted-KL control, 4 updates, a checkpoint every 2) under ``--max-restarts 1``,
 meeting one fault (``runtime.faults``, or a checkpoint damaged before the job starts;
-the ``direct-*`` cases send the weights over the direct channel into vLLM's own server,
-the reference does not: their engines must still end up with the same weights),
+the engine is vLLM's own server, which trainer rank 0 starts; an engine death is that
+server's process dying),
 with a tag in its environment that every process it starts inherits
 (``tests/distributed/fault_launch.py``). An uninterrupted job is the reference. Per case:
 
@@ -56,25 +56,15 @@ INJECTED = {
     "rank0-dies-mid-sync": ("sync@3", "trainer rank 0 dies as update 3's weight push starts"),
     "rank0-dies-mid-save": ("save@4", "trainer rank 0 dies writing the final checkpoint"),
     "disk-full-on-save": ("save-enospc@2", "the disk fills up during update 2's save"),
-    "engine-dies-mid-rollout": ("engine-generate@2", "the engine dies in update 2's rollouts"),
-    "engine-dies-mid-delta-push": ("engine-delta-push@2", "the engine dies in update 2's "
-                                   "sketch-delta push (applied, not committed)"),
-    "engine-dies-mid-full-push": ("engine-full-push@3", "the engine dies in update 3's full "
-                                  "(anchor) push, its first bucket loaded, not committed"),
-    # the same job over the direct channel: the engine is vLLM's server (rank 0 starts it;
-    # every rank sends each server worker its pieces through vLLM's weight-transfer routes)
-    "direct-engine-dies-mid-rollout": ("engine-generate@2", "direct channel: vLLM's server "
-                                       "dies in update 2's rollouts"),
-    "direct-engine-dies-mid-delta-push": ("engine-delta-push@2", "direct channel: vLLM's "
-                                          "server dies in update 2's sketch-delta push "
-                                          "(received, not finished)"),
-    "direct-engine-dies-mid-full-push": ("engine-full-push@3", "direct channel: vLLM's "
-                                         "server dies in update 3's full (anchor) push, its "
-                                         "first round received, not finished"),
-    "direct-rank1-dies-mid-sync": ("sync@3:1", "direct channel: trainer rank 1 dies as "
-                                   "update 3's weight push starts"),
+    "engine-dies-mid-rollout": ("engine-generate@2", "vLLM's server dies in update 2's "
+                                "rollouts"),
+    "engine-dies-mid-delta-push": ("engine-delta-push@2", "vLLM's server dies in update 2's "
+                                   "sketch-delta push (received, not finished)"),
+    "engine-dies-mid-full-push": ("engine-full-push@3", "vLLM's server dies in update 3's full "
+                                  "(anchor) push, its first round received, not finished"),
+    "rank1-dies-mid-sync": ("sync@3:1", "trainer rank 1 dies as update 3's weight push "
+                            "starts"),
 }
-DIRECT = ["--weight-sync-channel", "direct"]  # the cases named direct-*
 # case -> (how the newest checkpoint of a finished reference job is damaged, description)
 DAMAGED = {
     "truncated-shard": ("truncate", "a shard of the newest checkpoint is truncated"),
@@ -186,8 +176,7 @@ def main() -> None:
         run = tmp / name
         if name in INJECTED:
             fault, what = INJECTED[name]
-            extra = DIRECT if name.startswith("direct-") else []
-            job = launch(tmp, name, _argv(run, *extra), fault=fault)
+            job = launch(tmp, name, _argv(run), fault=fault)
             got = _measure(name, job, run, reference)
         else:
             how, what = DAMAGED[name]

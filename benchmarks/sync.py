@@ -1,18 +1,19 @@
-"""Weight sync into a live vLLM engine: full push vs sketch delta, side by side.
+"""Weight sync into vLLM's server: full push vs sketch delta, side by side.
 
     .venv/bin/python benchmarks/sync.py [--updates 3] [--rank 64]
 
 SmolLM2-135M-Instruct (``make demo`` converts it; models/ and ckpts/), bf16 weights,
 LoGRA in SR mode (``--logra-master-weights none``) on every target, a bf16 vLLM-CPU
-engine that applies deltas in place to its live weights. Per update (a real LoGRA step
-on a random batch) a delta push, sketch-delta and sparse-delta in turn (sketch: D rows + seeds of the sketched
-weights, the small unsketched tensors in full; sparse: the bf16 elements that
-changed), then a full push of the same weights; bytes and wall time of each, the
-trainer-side assembly time of each payload, and after every push whether the
-engine's weights equal the trainer's bit for bit. The fingerprint check is timed on
-its own (``verify_time_s``; on by default every delta push). Projections for 7B and
-27B: bytes per sync from their shapes. Then the rollout time of a packed-weight engine
-vs one started for deltas (``rollout_speed``), and the time of the fp64 D A alone
+server whose workers apply pushes in place to their live weights. Per update (a real
+LoGRA step on a random batch) a delta push, sketch-delta and sparse-delta in turn
+(sketch: D rows + seeds of the sketched weights, the small unsketched tensors in full;
+sparse: the bf16 elements that changed), then a full push of the same weights; bytes
+and wall time of each, the trainer-side assembly time of the sketch payload, and after
+every push whether the server's weights equal the trainer's bit for bit (vLLM's
+checksums). The checksum check is timed on its own (``verify_time_s``; on by default
+every delta push). Projections for 7B and 27B: bytes per sync from their shapes. Then
+the rollout time of a server with vLLM-CPU's packed weights vs one with live weights
+(``rollout_speed``), and the time of the fp64 D A alone
 (``receiver_gemm_floor``: ``sync_time_floor_ratio`` = that / full). Last stdout line: the JSON, with
 ``sync_bytes_ratio``, ``sync_time_ratio`` (sketch-delta / full) and ``exact``.
 """
@@ -91,20 +92,24 @@ def receiver_gemm_floor(arch, rank: int, threads: int = 1) -> float:
 
 
 def rollout_speed(prompts: int = 32, new_tokens: int = 48) -> dict:
-    """Generation time of a bf16 engine with vLLM-CPU's packed oneDNN weights (full pushes
-    only) and of one started for deltas (plain weights, ``F.linear``): the price on CPU of
-    applying deltas in place. The best of two rounds of ``prompts`` x ``new_tokens``."""
-    from megatron_logra.bridge.engine_client import RolloutEngine
+    """Generation time of a bf16 server with vLLM-CPU's packed oneDNN weights (which no
+    push can update in place) and of one with live weights (``F.linear``, what the
+    ``mlogra`` backend writes into): the price on CPU of in-place pushes. The best of two
+    rounds of ``prompts`` x ``new_tokens``."""
     from megatron_logra.bridge.protocol import EngineConfig, SampleRequest
+    from megatron_logra.rollout.vllm_server import VllmServer
 
     requests = [SampleRequest(list(range(100, 140)), seed=i, max_new_tokens=new_tokens,
                               temperature=1.0) for i in range(prompts)]
     out = {}
-    for label, delta_sync in (("packed", False), ("live", True)):
-        engine = RolloutEngine(EngineConfig(str(MODEL), max_model_len=256, dtype="bfloat16",
-                                            kv_cache_gib=0.5, max_num_seqs=prompts,
-                                            delta_sync=delta_sync))
+    for label, live in (("packed", "0"), ("live", "1")):
+        engine = VllmServer.local(
+            EngineConfig(str(MODEL), max_model_len=256, dtype="bfloat16", kv_cache_gib=0.5,
+                         max_num_seqs=prompts, load_format="auto",
+                         env=(("MLOGRA_LIVE_WEIGHTS", live),)),
+            REPO / "runs" / "bench_sync" / f"server_{label}.log", cuda=False)
         try:
+            engine.assume_version(0)
             engine.generate(requests[:4], 0)  # warm-up
             out[f"rollout_{label}_s"] = min(_timed(lambda: engine.generate(requests, 0))[1]
                                             for _ in range(2))
@@ -123,11 +128,10 @@ def main(argv=None) -> None:
     if not (MODEL / "model.safetensors").exists() or not (CKPT / "latest").exists():
         raise SystemExit(f"needs {MODEL} and {CKPT}: run `make demo` once (it converts "
                          "SmolLM2-135M-Instruct with checkpoints_tools)")
+    from megatron_logra.bridge.full_weights import full_push
     from megatron_logra.bridge.sketch_delta import owned_updates
-    from megatron_logra.bridge.full_weights import sparse_push
     from megatron_logra.cli import parse_run_config
     from megatron_logra.rl.loop import RLRun
-    from megatron_logra.bridge.full_weights import full_push, trainer_fingerprints
     from megatron_logra.training.step import train_step
 
     out_dir = REPO / "runs" / "bench_sync"
@@ -147,10 +151,7 @@ def main(argv=None) -> None:
     rows: list[dict] = []
 
     def exact_now() -> bool:
-        mine = {n: t for b in full_push(objs.model, arch, run.weights.plan, dtype=torch.bfloat16)
-                for n, t in b}
-        theirs = run.engine.engine_weights(sorted(mine))
-        return all(torch.equal(mine[n], theirs[n]) for n in mine)
+        return run.weights.engine_mismatches(run.engine) == 0
 
     try:
         run.weights.track_changes()  # the sparse-delta base, recorded by every full push
@@ -161,12 +162,9 @@ def main(argv=None) -> None:
             train_step(objs, _random_microbatches(arch.vocab_size, args.seq_length, update),
                        seq_length=args.seq_length, micro_batch_size=2)
             run.version = update + 1
+            assembly = None  # a sparse delta is assembled inside the push
             if transport == "sketch-delta":
                 _, assembly = _timed(lambda: owned_updates(objs.optimizer))
-            else:  # on a copy of the shadow: the push itself must still see the change
-                shadow = {n: t.clone() for n, t in run.weights.shadow.items()}
-                _, assembly = _timed(lambda: sparse_push(objs.model, arch, run.weights.plan,
-                                                         dtype=torch.bfloat16, shadow=shadow))
             before = run.sync.bytes
             _, delta_time = _timed(lambda: run.push_weights(transport=transport))
             assert run.sync.last_transport == transport, run.sync.last_transport
@@ -181,23 +179,22 @@ def main(argv=None) -> None:
                          "delta_time_s": delta_time, "full_time_s": full_time,
                          "delta_assembly_s": assembly, "full_assembly_s": full_assembly})
             print(json.dumps(rows[-1]), flush=True)
-        exact = exact and exact_now()
-        fingerprints, verify_time = _timed(lambda: trainer_fingerprints(
-            objs.model, arch, run.weights.plan, dtype=torch.bfloat16))
-        _, engine_verify = _timed(lambda: run.engine.fingerprints(sorted(fingerprints)))
+        verified, verify_time = _timed(exact_now)
+        exact = exact and verified
     finally:
         run.close()
 
     def median(transport: str, key: str) -> float:
         return statistics.median(r[key] for r in rows if r["transport"] == transport)
 
-    per = {t: {k: median(t, k) for k in ("delta_bytes", "delta_time_s", "delta_assembly_s")}
+    per = {t: {k: median(t, k) for k in ("delta_bytes", "delta_time_s")}
            for t in ("sketch-delta", "sparse-delta")}
+    per["sketch-delta"]["delta_assembly_s"] = median("sketch-delta", "delta_assembly_s")
     full = {k: statistics.median(r[k] for r in rows)
             for k in ("full_bytes", "full_time_s", "full_assembly_s")}
     report = {"benchmark": "sync", "model": "smollm2-135m", "rank": args.rank,
               "updates": args.updates, "per_update": rows, "full": full, **per,
-              "verify_time_s": verify_time + engine_verify,
+              "verify_time_s": verify_time,
               "projection": {name: projected_bytes(PROJECTED[name], 256)
                              for name in ("7B", "27B")},
               "projection_smollm2_r": projected_bytes("smollm2-135m", args.rank),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,15 +27,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=48)
     args = p.parse_args(argv)
 
-    from megatron_logra.bridge.engine_client import RolloutEngine
     from megatron_logra.bridge.protocol import EngineConfig, SampleRequest
     from megatron_logra.data.tasks import generate_items
     from megatron_logra.data.tokenizer import load_tokenizer
     from megatron_logra.rl import rollouts
     from megatron_logra.rl.verifiers import Verifier, VerifierConfig
+    from megatron_logra.rollout.vllm_server import VllmServer
 
     tokenizer = load_tokenizer(args.model_dir)
-    engine = RolloutEngine(EngineConfig(args.model_dir, max_model_len=257, dtype="float32"))
+    engine = VllmServer.local(EngineConfig(args.model_dir, max_model_len=257, dtype="float32",
+                                           load_format="auto"),
+                              Path("runs") / "task_signal_server.log", cuda=False)
+    engine.assume_version(0)
     verifier = Verifier(VerifierConfig(reward="partial"))
     report = {}
     try:

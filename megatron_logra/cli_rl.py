@@ -68,9 +68,6 @@ def _check_server_engine(rl: RLConfig) -> None:
     if url.scheme not in ("http", "https") or not url.hostname or not url.port:
         raise ValueError(f"--rollout-engine-url {rl.rollout_engine_url!r}: give the vLLM "
                          f"server's address as http://HOST:PORT")
-    if rl.sync.channel != "direct":
-        raise ValueError("--rollout-engine-url: the weights go into the vLLM server through "
-                         "its weight-transfer routes over --weight-sync-channel direct: add it")
     if rl.rollout_placement != "inherit":
         raise ValueError("--rollout-placement places an engine the trainer starts; the server "
                          "at --rollout-engine-url runs where you started it: drop it")
@@ -102,10 +99,6 @@ def check_rl(rl: RLConfig, training: TrainingConfig, opt: OptimizerConfig, dp: i
     if rl.sync.transport == "lora-adapter" and opt.peft != "lora":
         raise ValueError("--weight-sync lora-adapter sends a LoRA adapter to vLLM: it needs "
                          "--peft lora (use --weight-sync full otherwise)")
-    if rl.sync.transport == "lora-adapter" and rl.sync.channel == "direct":
-        raise ValueError("--weight-sync lora-adapter goes through vLLM's LoRA loader, which "
-                         "the direct channel bypasses: use --weight-sync-channel pipe, or "
-                         "--weight-sync full to send the merged weights directly")
     if not 0 < rl.eval_top_p <= 1 or rl.eval_temperature <= 0:
         raise ValueError("need 0 < --eval-top-p <= 1 and --eval-temperature > 0")
     if training.seq_length < rl.max_new_tokens + 8:

@@ -39,12 +39,16 @@ from megatron_logra.bridge.p2p import (GroupAddress, abort_group, join_group, op
                                        send_message, wait_all)
 from megatron_logra.bridge.protocol import Delivery, EngineError, PushRefused, Transport
 from megatron_logra.bridge.sketch_delta import RowsUpdate, encode_rows, owned_updates
-from megatron_logra.bridge.sparse_delta import BITS
 from megatron_logra.bridge.transfer_plan import Block, shard_blocks, shard_extent, worker_rows
 from megatron_logra.model.hf_mapping import hf_param_shapes, megatron_param_names, row_segments
 from megatron_logra.model.provider import canonical_param_names, global_shape, served_parameters
 from megatron_logra.model.sharding import tp_split
 from megatron_logra.runtime.device import current_device, free_port
+
+
+BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+"""The integer dtype of each float dtype's width: comparing values bit for bit (sparse
+deltas: the elements whose bits changed since the last push)."""
 
 
 @dataclass(frozen=True)
@@ -59,14 +63,18 @@ class DirectChannel:
     """The trainer's side of the direct channel (collective: every rank calls every method)."""
 
     def __init__(self, model_chunks: list, arch, plan, dtype: torch.dtype, engine_tp: int,
-                 bucket_bytes: int):
+                 bucket_bytes: int, backend: str | None = None):
         """``plan``: ``full_weights.PushPlan`` (who sends each parameter's stage);
-        ``engine_tp``: the engine's TP size (its worker count)."""
+        ``engine_tp``: the engine's TP size (its worker count); ``backend``: the group's,
+        None for the device's (NCCL on CUDA, gloo on CPU). gloo on CUDA stages every
+        message through host memory: what an engine on the trainer's own GPUs needs, as
+        NCCL refuses two members of one communicator on one GPU."""
         self.arch, self.dtype, self.engine_tp = arch, dtype, engine_tp
         self.bucket_bytes = bucket_bytes
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = current_device()
-        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        self.message_device = self.device if self.backend == "nccl" else torch.device("cpu")
         self.shards = self._my_shards(model_chunks, plan)
         self.shadow: dict[str, torch.Tensor] = {}  # sparse deltas: what each shard last sent
         self.group = self.store = None
@@ -127,7 +135,7 @@ class DirectChannel:
         if not _agree(failed):
             try:
                 self.group = join_group(address, self.rank, self.store if self.rank == 0
-                                        else None, self.device)
+                                        else None, self.message_device)
             except RuntimeError as exc:
                 failed = f"joining the direct weight group: {exc}"
             if self.rank == 0:
@@ -221,9 +229,9 @@ class DirectChannel:
     def _send(self, outboxes: list[Outbox]) -> None:
         works = []
         for worker, box in enumerate(outboxes):
-            meta, tensors = box.pack(self.dtype, self.device)
+            meta, tensors = box.pack(self.dtype, self.message_device)
             posted, size = send_message(self.group, self.world + worker, meta, tensors,
-                                        self.device)
+                                        self.message_device)
             works += posted
             self.sent_here += size
         wait_all(works, self.wait_s)

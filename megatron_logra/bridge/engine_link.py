@@ -1,17 +1,18 @@
 """``EngineLink``: the RL loop's one handle on the rollout engine (collective calls).
 
-It owns the engine (trainer rank 0 only: ``engine_client.RolloutEngine``) and the
-trainer's side of weight sync (``sync.WeightSync``), and keeps them serving the
-trainer's weights:
+It owns the engine (trainer rank 0 only: ``rollout.vllm_server.VllmServer``, vLLM's own
+server, started here or at ``--rollout-engine-url``) and the trainer's side of weight
+sync (``sync.WeightSync``), and keeps them serving the trainer's weights:
 
 - ``push(version)``: the trainer's weights become ``version`` in the engine. The very
-  first push writes the engine's start-up weights into its folder and starts it from
-  them. A failed push restarts the engine and pushes again (three tries).
+  first push starts (or connects to) the server, which runs on dummy weights until this
+  push brings the trainer's. A failed push restarts the engine and pushes again (three
+  tries).
 - ``generate(requests, version)``: completions from the engine serving ``version``
   (rank 0; None elsewhere); a failure restarts the engine, pushes the weights again
   and retries (three tries).
-If the engine dies or refuses (any vLLM RPC failure kills it), rank 0 restarts it and
-every rank takes part in the push that follows.
+If the engine dies or fails a request, rank 0 restarts it (a server the user runs: waits
+for it and reconnects) and every rank takes part in the full push that follows.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_logra.bridge.engine_client import RolloutEngine
 from megatron_logra.bridge.protocol import Completion, EngineConfig, EngineError, SampleRequest
 from megatron_logra.bridge.sync import SyncStats, WeightSync
+from megatron_logra.rollout.vllm_server import VllmServer
 from megatron_logra.runtime.device import current_device, release_cached_memory
 from megatron_logra.runtime.progress import Progress
 
@@ -41,13 +42,13 @@ def speed_note(vllm_postfix: str) -> str:
 class EngineLink:
     def __init__(self, sync: WeightSync, engine_cfg: EngineConfig | None,
                  sleep_mode: bool = False):
-        """``engine_cfg``: rank 0's engine settings (None on every other rank); its
-        ``model_dir`` holds config and tokenizer, the first push adds the weights.
-        ``sleep_mode`` (every rank): the engine is colocated and takes turns
-        (``release``; pushes and generation wake it)."""
+        """``engine_cfg``: rank 0's engine settings (None on every other rank): a server at
+        its ``url``, or one started here from its ``model_dir`` (config and tokenizer; the
+        first push brings the weights). ``sleep_mode`` (every rank): the engine is
+        colocated and takes turns (``release``; pushes and generation wake it)."""
         self.sync, self.engine_cfg, self.sleep_mode = sync, engine_cfg, sleep_mode
         self.rank = dist.get_rank()
-        self.engine: RolloutEngine | None = None  # rank 0, once the first push wrote its weights
+        self.engine: VllmServer | None = None  # rank 0, from the first push on
         self.asleep: set[str] = set()  # rank 0, colocated: what the engine has released
 
     @property
@@ -75,53 +76,31 @@ class EngineLink:
 
     def _push_once(self, version: int, transport: str | None) -> tuple[str, int]:
         """(failure message or "", bytes sent)."""
-        if self.sync.direct:  # the engine starts on dummy weights; the push brings them
-            failed = self._start_for_direct()
-            if failed:
-                return failed, 0
+        failed = self._start()
+        if failed:
+            return failed, 0
         result = self.sync.push(self.engine, version, transport)
-        if result.startup_tensors is None:
-            return result.failed, result.sent
-        from safetensors.torch import save_file
+        return result.failed, result.sent
 
-        save_file(result.startup_tensors, str(Path(self.engine_cfg.model_dir) /
-                                              "model.safetensors"))
-        try:  # a failure is reported to every rank (push), never left to hang them
-            self.engine = RolloutEngine(self.engine_cfg)
-        except EngineError as exc:
-            return f"engine start-up: {exc}", 0
-        self.engine.assume_version(version)
-        if result.startup_adapter is not None:  # lora-adapter sync: base + adapter
-            try:
-                result.sent += self.engine.set_adapter(*result.startup_adapter, version)
-            except (EngineError, ValueError) as exc:
-                return f"engine start-up (adapter): {exc}", 0
-        cfg = self.engine_cfg
-        print(f"rollout engine up in {self.engine.startup_s:.1f}s (vLLM {cfg.dtype}, "
-              f"TP{cfg.tensor_parallel_size})", flush=True)
-        return "", result.sent
-
-    def _start_for_direct(self) -> str:
-        """Rank 0 starts the engine if it is not running (collective: the failure, or "",
-        on every rank)."""
+    def _start(self) -> str:
+        """Rank 0 connects to the engine, starting it if it is ours and not running
+        (collective: the failure, or "", on every rank)."""
         status = [""]
         if self.rank == 0 and self.engine is None:
             cfg = self.engine_cfg
             try:
                 if cfg.url:  # a server the user runs: connect, the first push is full
-                    from megatron_logra.rollout.vllm_server import VllmServer
-
                     self.engine = VllmServer(cfg.url, cfg.request_timeout_s,
-                                             cfg.startup_timeout_s)
+                                             cfg.startup_timeout_s,
+                                             adapter_root=self._adapter_root())
                     print(f"rollout engine: the vLLM server at {cfg.url} (TP"
                           f"{self.engine.world_size}, serving {self.engine.model}); its "
                           f"weights are replaced by the first push", flush=True)
                 else:  # vLLM's server, started here
-                    from megatron_logra.rollout.vllm_server import VllmServer
-
                     self.engine = VllmServer.local(
                         cfg, Path(cfg.model_dir).parent / "engine.log",
-                        cuda=current_device().type == "cuda")
+                        cuda=current_device().type == "cuda",
+                        adapter_root=self._adapter_root())
                     print(f"rollout engine: vLLM's server up in {self.engine.startup_s:.1f}s "
                           f"at {self.engine.url} (vLLM {cfg.dtype}, TP"
                           f"{cfg.tensor_parallel_size}, dummy weights until the first push)",
@@ -130,6 +109,9 @@ class EngineLink:
                 status = [f"engine start-up: {exc}"]
         dist.broadcast_object_list(status, src=0)
         return status[0]
+
+    def _adapter_root(self) -> str:
+        return str(Path(self.engine_cfg.model_dir).parent / "adapters")
 
     # --- colocated (an engine started with sleep_mode) -------------------------------------
     def release(self) -> None:

@@ -1,5 +1,6 @@
-"""Full-weight push: the policy's parameters, from the Megatron TP/PP/DP layout to rank 0,
-as bucketed HF-named tensors in the engine's dtype.
+"""The policy's full weights, from the Megatron TP/PP/DP layout to rank 0, as bucketed
+HF-named tensors in the engine's dtype: what the server's weights are checked against
+(``weight_sync.checksums``), and tests' reference; LoRA adapters gathered to rank 0.
 
 Streaming: parameters go one at a time in the canonical order (no rank ever holds
 the whole model). For each parameter, the data-parallel replica 0 of the pipeline
@@ -19,8 +20,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_logra.bridge.fingerprint import fingerprint
-from megatron_logra.bridge.sparse_delta import SparseDelta, changed_elements
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.hf_mapping import (hf_from_megatron, megatron_param_names,
                                              megatron_param_shape)
@@ -90,20 +89,16 @@ def _sender_hf_tensors(model_chunks, arch: ModelArch, plan: PushPlan,
 
 def full_push(model_chunks, arch: ModelArch, plan: PushPlan, *, dtype: torch.dtype,
               bucket_bytes: int = 64 * 2**20, names: list[str] | None = None,
-              shadow: dict[str, torch.Tensor] | None = None,
               merged: bool = True) -> Iterator[Bucket]:
     """Yield buckets of (HF name, full CPU tensor in ``dtype``) on rank 0; see module doc.
-    ``names``: only these canonical parameters (in canonical order), else all. ``shadow``:
-    each sender records what it sent there (the base of the next sparse delta). ``merged``:
-    LoRA's adapters merged into their weights (else the base weights alone)."""
+    ``names``: only these canonical parameters (in canonical order), else all.
+    ``merged``: LoRA's adapters merged into their weights (else the base weights alone)."""
     rank = dist.get_rank()
     bucket: Bucket = []
     size = 0
     for name, hf_tensors in _sender_hf_tensors(model_chunks, arch, plan, names, merged):
         if hf_tensors is not None:
             hf_tensors = [(n, t.to(dtype).cpu().contiguous()) for n, t in hf_tensors]
-            if shadow is not None:
-                shadow.update((n, t.clone()) for n, t in hf_tensors)
         sender = plan.sender[name]
         if sender != 0:
             hf_tensors = _relay(hf_tensors, arch, name, sender, dtype)
@@ -117,34 +112,6 @@ def full_push(model_chunks, arch: ModelArch, plan: PushPlan, *, dtype: torch.dty
             bucket, size = [], 0
     if rank == 0 and bucket:
         yield bucket
-
-
-def sparse_push(model_chunks, arch: ModelArch, plan: PushPlan, *, dtype: torch.dtype,
-                shadow: dict[str, torch.Tensor]) -> list[SparseDelta]:
-    """This rank's sparse deltas (as the sender of its parameters) against ``shadow``, which
-    they update; the caller gathers them to rank 0."""
-    out = []
-    for _, hf_tensors in _sender_hf_tensors(model_chunks, arch, plan):
-        for n, t in hf_tensors or []:
-            if n not in shadow:
-                raise RuntimeError(f"sparse delta: {n} was never pushed in full from this rank")
-            out.append(changed_elements(n, t.to(dtype).cpu().contiguous(), shadow[n]))
-    return out
-
-
-def trainer_fingerprints(model_chunks, arch: ModelArch, plan: PushPlan, *,
-                         dtype: torch.dtype) -> dict[str, float]:
-    """``bridge.fingerprint`` of every HF tensor of the trainer's weights in the engine's
-    ``dtype``, on rank 0 (each sender computes its own after the TP gather; only the
-    numbers move)."""
-    mine = {}
-    for _, hf_tensors in _sender_hf_tensors(model_chunks, arch, plan):
-        if hf_tensors is not None:
-            mine.update((n, fingerprint(t.to(dtype))) for n, t in hf_tensors)
-    rank = dist.get_rank()
-    everyone = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(mine, everyone, dst=0)
-    return {k: v for d in everyone for k, v in d.items()} if rank == 0 else {}
 
 
 def gather_adapters(model_chunks, arch: ModelArch) -> dict[str, torch.Tensor] | None:

@@ -18,6 +18,9 @@ node 0 has into the engine process's environment and the trainer's share.
   weights to host memory) while the trainer works, and takes them back to push and
   generate; the trainer frees its cached blocks before the engine wakes. vLLM has no
   sleep mode on CPU: there colocated behaves as inherit (said once at start-up).
+On CUDA under ``inherit`` and ``colocated`` the engine's workers sit on trainer ranks'
+GPUs, and NCCL refuses two members of one communicator on one GPU: the weight group is
+then gloo, through host memory (``shares_trainer_gpus``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class EnginePlacement:
     trainer_cores: tuple[int, ...] | None = None  # CPU dedicated: node 0's trainer cores
     sleep_mode: bool = False  # colocated on CUDA: vLLM's sleep/wake between phases
     note: str = ""  # said once at start-up (colocated on CPU)
+    # CUDA, inherit or colocated: the engine's workers on trainer ranks' GPUs, so the
+    # weight group is gloo through host memory (NCCL refuses two members on one GPU)
+    shares_trainer_gpus: bool = False
 
     @property
     def engine_cores(self) -> tuple[int, ...]:
@@ -75,30 +81,23 @@ def check_placement_flags(mode: str, devices_spec: str) -> tuple[int, ...]:
 
 def plan_placement(mode: str, devices_spec: str, *, engine_tp: int, cuda: bool,
                    node_devices: list[int], local_world_size: int,
-                   visible: str | None = None, direct_channel: bool = False,
+                   visible: str | None = None,
                    remote_engine: bool = False) -> EnginePlacement:
     """The engine's placement on node 0, or ValueError naming the flags and the fix.
 
     ``node_devices``: CUDA: range(visible GPU count); CPU: the cores node 0's processes
     may run on (``os.sched_getaffinity``). ``local_world_size``: trainer ranks on node 0.
     ``visible``: node 0's ``CUDA_VISIBLE_DEVICES`` (the engine's ids are translated
-    through it). ``direct_channel``: --weight-sync-channel direct; ``remote_engine``: the
-    engine is a vLLM server the user runs (--rollout-engine-url)."""
+    through it). ``remote_engine``: the engine is a vLLM server the user runs
+    (--rollout-engine-url)."""
     devices = check_placement_flags(mode, devices_spec)
-    if cuda and direct_channel and not remote_engine and mode != "dedicated":
-        # the direct channel puts trainer ranks and vLLM workers in one NCCL communicator;
-        # NCCL refuses two members on one GPU ("Duplicate GPU detected")
-        raise ValueError(f"--weight-sync-channel direct with --rollout-placement {mode}: the "
-                         f"engine's workers would share GPUs with trainer ranks in one NCCL "
-                         f"group, which NCCL refuses (duplicate GPU); give the engine GPUs "
-                         f"of its own (--rollout-placement dedicated --rollout-devices ...) "
-                         f"or use --weight-sync-channel pipe")
     if mode == "colocated" and not cuda:
         return EnginePlacement(mode, note="--rollout-placement colocated: vLLM has no sleep "
                                "mode on CPU; the engine and the trainer share the cores as "
                                "with inherit")
     if mode != "dedicated":
-        return EnginePlacement(mode, sleep_mode=mode == "colocated")
+        return EnginePlacement(mode, sleep_mode=mode == "colocated",
+                               shares_trainer_gpus=cuda and not remote_engine)
     missing = [d for d in devices if d not in node_devices]
     if missing:
         raise ValueError(f"--rollout-devices {devices_spec}: {missing} do not exist on node 0 "

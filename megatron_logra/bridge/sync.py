@@ -5,8 +5,9 @@
 needs the engine at exactly the previous version (and, for sparse, senders whose last
 sent tensors are that version); otherwise, on an anchor update
 (``--weight-sync-anchor-interval``) and after a refusal, the push is full. Every
-``--weight-sync-verify-interval``-th delta push is followed by a fingerprint check of
-every HF tensor; a mismatching tensor is resent in full and counted.
+``--weight-sync-verify-interval``-th delta push is followed by a check of the server's
+weights against the trainer's (vLLM's checksums); a mismatching tensor is resent in full
+and counted.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_logra.bridge.config import WeightSyncConfig
-from megatron_logra.bridge.protocol import Channel, Transport
+from megatron_logra.bridge.protocol import Transport
 from megatron_logra.bridge.transports import (FullPush, LoraAdapterPush, PushResult,
                                               SketchDeltaPush, SparseDeltaPush, TrainerWeights)
 
@@ -29,7 +30,7 @@ class SyncStats:
     restarts: int = 0
     pushes: int = 0
     delta_pushes: int = 0
-    fingerprint_mismatches: int = 0
+    checksum_mismatches: int = 0
     last_transport: str = Transport.FULL
 
 
@@ -52,24 +53,22 @@ class WeightSync:
     """The trainer's side of weight sync (collective: every rank calls every method)."""
 
     def __init__(self, cfg: WeightSyncConfig, model_chunks: list, arch, dtype: torch.dtype,
-                 optimizer=None, lora=None, engine_tp: int = 1):
+                 optimizer=None, lora=None, engine_tp: int = 1,
+                 group_backend: str | None = None):
         """``optimizer``: the ``LograOptimizer`` whose updates a sketch-delta push sends;
         ``lora``: the run's ``LoraConfig`` (LoRA runs), for lora-adapter pushes;
-        ``engine_tp``: the engine's TP size (the direct channel's worker count). Over the
-        direct channel the engine is vLLM's server (``rollout.vllm_server``): pushes go
-        through its weight-transfer routes, checks by vLLM's checksums."""
+        ``engine_tp``: the server's TP size (its worker count); ``group_backend``: the
+        weight group's (gloo for a server on the trainer's own GPUs; None: the device's).
+        The engine is vLLM's server (``rollout.vllm_server``): pushes go through its
+        weight-transfer routes, checks by vLLM's checksums."""
         self.cfg = cfg
         adapter_mode = cfg.transport == Transport.LORA_ADAPTER
         if adapter_mode and lora is None:
             raise ValueError("--weight-sync lora-adapter sends a LoRA adapter: train with "
                              "--peft lora")
-        if adapter_mode and cfg.channel == Channel.DIRECT:
-            raise ValueError("--weight-sync lora-adapter needs --weight-sync-channel pipe")
-        self.direct = cfg.channel == Channel.DIRECT
         self.weights = TrainerWeights(model_chunks, arch, dtype, cfg.bucket_mb * 2**20,
-                                      merged=not adapter_mode,
-                                      direct_engine_tp=engine_tp if self.direct else 0,
-                                      server_checksums=self.direct)
+                                      engine_tp, merged=not adapter_mode,
+                                      group_backend=group_backend)
         self.rank = self.weights.rank
         self.stats = SyncStats()
         self.full = FullPush(self.weights)
@@ -102,22 +101,13 @@ class WeightSync:
         """Make sparse deltas possible (forced ones too): record what full pushes send."""
         self.deltas.setdefault(Transport.SPARSE_DELTA, SparseDeltaPush(self.weights))
 
-    @property
-    def needs_in_place_engine(self) -> bool:
-        """Whether the engine must take pushes in place (``EngineConfig.delta_sync``): delta
-        pushes, and anything over the direct channel."""
-        return self.direct or self.cfg.transport in (Transport.SPARSE_DELTA,
-                                                     Transport.SKETCH_DELTA)
-
     def close(self) -> None:
         if self.weights.direct is not None:
             self.weights.direct.close()
 
     def engine_mismatches(self, engine) -> int | None:
-        """How many HF tensors the engine holds differently from the trainer (fingerprints;
-        every rank); None when the engine cannot tell (one without delta_sync) or failed."""
-        if not self.needs_in_place_engine:
-            return None
+        """How many HF tensors the server holds differently from the trainer (vLLM's
+        checksums; every rank); None when the check failed."""
         bad, _ = self.full.mismatches(engine)
         return None if bad is None else len(bad)
 
@@ -168,6 +158,6 @@ class WeightSync:
         every = self.cfg.verify_interval
         if delta.verifiable and every and self.stats.delta_pushes % every == 0:
             checked, mismatches = self.full.resend_mismatches(engine, version)
-            self.stats.fingerprint_mismatches += mismatches
+            self.stats.checksum_mismatches += mismatches
             out.failed, out.sent = checked.failed, out.sent + checked.sent
         return out

@@ -1,8 +1,8 @@
 """Where each HF tensor lives in a vLLM tensor-parallel worker (Llama/Qwen2/Qwen3 models).
 
-Pure index arithmetic, no vLLM import: the worker extension (``vllm_worker``) uses it
-to add deltas straight into vLLM's fused, sharded parameters, and to read them back in
-HF coordinates (fingerprints, tests). vLLM's layout at TP size ``tp``, rank ``t``:
+Pure index arithmetic, no vLLM import: a vLLM worker (``weight_sync.worker_shards``) uses
+it to write pushes straight into vLLM's fused, sharded parameters, and the trainer to
+predict vLLM's checksums of them (``weight_sync.checksums``). vLLM's layout at TP size ``tp``, rank ``t``:
 
 - ``qkv_proj`` rows are [q_t; k_t; v_t]: this rank's query heads, then its KV heads
   (KV heads are replicated when there are fewer than ``tp``: rank t holds KV head

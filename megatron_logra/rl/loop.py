@@ -1,7 +1,7 @@
 """The RL stage (``--stage rl``): rollouts -> rewards -> advantages -> update -> weight sync.
 
-Rank 0 drives the rollout engine (a vLLM process, through ``bridge.EngineLink``) and
-the verifier;
+Rank 0 drives the rollout engine (vLLM's own server, through ``bridge.EngineLink``)
+and the verifier;
 every rank trains. Per update:
 
 1. rank 0 samples P prompts x G responses from the engine (which serves exactly the
@@ -15,8 +15,8 @@ every rank trains. Per update:
 3. the new weights are pushed to the engine and committed (``bridge``: full,
    sparse-delta or sketch-delta).
 
-If the engine dies or refuses (any vLLM RPC failure kills it), rank 0 restarts it,
-the job pushes the weights again, and the update goes on. Evaluations (pass@1,
+If the engine dies or fails a request, rank 0 restarts it, the job pushes the weights
+again, and the update goes on. Evaluations (pass@1,
 pass@k on held-out prompts) run before training, every ``--eval-interval`` updates
 and at the end. Checkpoints hold the policy, the optimizer, the scheduler, the
 baseline, the KL controller and the update index (prompts and sampling seeds are
@@ -85,10 +85,13 @@ class RLRun:
         self.rank = dist.get_rank()
         self.dtype = _DTYPES[cfg.rl.rollout_dtype]
         opt = cfg.optimizer
+        self.placement = self._place_engine()
         self.weights = WeightSync(cfg.rl.sync, self.objs.model, self.objs.arch, self.dtype,
                                   optimizer=self.objs.optimizer,
                                   lora=opt.lora if opt.peft == "lora" else None,
-                                  engine_tp=cfg.rl.rollout_tensor_parallel_size)
+                                  engine_tp=cfg.rl.rollout_tensor_parallel_size,
+                                  group_backend="gloo" if self.placement.shares_trainer_gpus
+                                  else None)
         self.sync = self.weights.stats
         self.baseline = adv.RunningBaseline(cfg.rl.baseline_decay)
         extra = self.prep.extra_state or {}
@@ -99,7 +102,6 @@ class RLRun:
             self.baseline.load_state_dict(extra["rl"]["baseline"])
             if self.kl_step is not None and "kl" in extra["rl"]:
                 self.kl_step.controller.load_state_dict(extra["rl"]["kl"])
-        self.placement = self._place_engine()
         self.engine_gpu_utilization = shared_gpu_utilization_measured(
             cfg.rl, self.objs.arch, self.placement)
         self.driver = self._start_driver_everywhere()
@@ -120,7 +122,6 @@ class RLRun:
             cuda=current_device().type == "cuda", node_devices=node_devices(),
             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
             visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
-            direct_channel=rl.sync.channel == "direct",
             remote_engine=bool(rl.rollout_engine_url)))
         if placement.trainer_cores and os.environ.get("GROUP_RANK", "0") == "0":
             os.sched_setaffinity(0, placement.trainer_cores)
@@ -158,12 +159,10 @@ class RLRun:
             str(self._engine_init_dir()), max_model_len=cfg.training.seq_length,
             dtype=rl.rollout_dtype, kv_cache_gib=rl.rollout_kv_cache_gib,
             tensor_parallel_size=rl.rollout_tensor_parallel_size, seed=rl.rollout_seed,
-            delta_sync=self.weights.needs_in_place_engine,
             lora_rank=self.weights.engine_lora_rank, env=tuple(self.placement.env.items()),
             cpu_cores=self.placement.engine_cores,
             sleep_mode=self.placement.sleep_mode,
             gpu_memory_utilization=self.engine_gpu_utilization,
-            load_format="dummy" if self.weights.direct else "auto",
             url=rl.rollout_engine_url)
         print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",
               flush=True)
@@ -188,7 +187,7 @@ class RLRun:
     # --- the engine (``bridge.EngineLink``; collective) -------------------------------------
     @property
     def engine(self):
-        """Rank 0's ``RolloutEngine`` (None elsewhere, and before the first push)."""
+        """Rank 0's ``VllmServer`` (None elsewhere, and before the first push)."""
         return self.link.engine
 
     def push_weights(self, transport: str | None = None) -> None:
@@ -420,7 +419,7 @@ def _loop(run: RLRun, log: MetricsLog) -> RunResult:
         record.update(step=update + 1, sync_bytes=run.sync.bytes - sync_before[0],
                       sync_time_s=run.sync.seconds - sync_before[1],
                       sync_transport=run.sync.last_transport,
-                      fingerprint_mismatches=run.sync.fingerprint_mismatches,
+                      checksum_mismatches=run.sync.checksum_mismatches,
                       engine_restarts=run.sync.restarts, peak_mem_bytes=peak_memory_bytes(),
                       step_time_s=time.perf_counter() - t0)
         last = update + 1 == t.train_iters

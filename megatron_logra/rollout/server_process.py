@@ -5,14 +5,17 @@ launched as a child process of trainer rank 0 on a free port:
 
 - the model folder holds config and tokenizer only: the server starts on vLLM's dummy
   weights (``--load-format dummy``) and the first push (full, through the ``mlogra``
-  weight-transfer backend) brings the trainer's;
+  weight-transfer backend) brings the trainer's; with ``--weight-sync lora-adapter`` it
+  serves LoRA adapters loaded at runtime (``engine_lora``);
 - its placement (``bridge.placement``) is its environment (``CUDA_VISIBLE_DEVICES``,
   ``VLLM_CPU_OMP_THREADS_BIND``) and, on CPU with dedicated cores, its affinity;
 - on CPU: linear weights kept live (``MLOGRA_LIVE_WEIGHTS=1``), a token budget that
   never splits a prompt, and at TP1 the engine in the server's own process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: it starts in ~15 s instead of ~30 s);
-- it dies with trainer rank 0 (``PR_SET_PDEATHSIG``, kept across exec), and its whole
-  process group is killed on ``stop`` (a TP>1 server's workers included);
+- it dies with trainer rank 0 (``PR_SET_PDEATHSIG``, kept across exec); ``stop`` and
+  ``kill`` end its main process, give its workers and resource tracker time to follow
+  (the tracker unlinks the shared memory they used), then kill what is left of its
+  process group;
 - ``MLOGRA_ENGINE_START`` numbers the servers this run started (fault injection,
   ``runtime.faults``); its output goes to ``OUTPUT_DIR/engine.log``.
 """
@@ -24,11 +27,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from megatron_logra.bridge.engine_lora import RUNTIME_LORA_ENV, lora_server_args
 from megatron_logra.bridge.protocol import EngineConfig
 from megatron_logra.rollout.vllm_server import BACKEND
 from megatron_logra.runtime.device import free_port
+from megatron_logra.weight_sync.cpu_live_weights import LIVE_WEIGHTS_ENV
 
 ENGINE_START_ENV = "MLOGRA_ENGINE_START"
 
@@ -46,6 +52,7 @@ def server_argv(cfg: EngineConfig, port: int, *, cuda: bool) -> list[str]:
             "--disable-log-stats", "--uvicorn-log-level", "warning"]
     if cfg.tensor_parallel_size == 1:
         argv += ["--distributed-executor-backend", "uni"]
+    argv += lora_server_args(cfg.lora_rank)
     if cuda:
         if cfg.gpu_memory_utilization is not None:
             argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
@@ -59,17 +66,21 @@ def server_argv(cfg: EngineConfig, port: int, *, cuda: bool) -> list[str]:
 
 
 def server_env(cfg: EngineConfig, engine_start: int, *, cuda: bool) -> dict[str, str]:
-    env = dict(os.environ, **dict(cfg.env), VLLM_SERVER_DEV_MODE="1",
-               PYTHONUNBUFFERED="1")
+    """The server's environment: this process's, the run's settings for vLLM, then
+    ``cfg.env`` (its placement; it wins)."""
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
     env[ENGINE_START_ENV] = str(engine_start)
+    if cfg.lora_rank:
+        env[RUNTIME_LORA_ENV] = "True"
     env.setdefault("VLLM_CACHE_ROOT", str(Path(cfg.model_dir) / ".vllm-cache"))
     if not cuda:
-        env["MLOGRA_LIVE_WEIGHTS"] = "1"
+        env[LIVE_WEIGHTS_ENV] = "1"
         if cfg.tensor_parallel_size == 1:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         else:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                            "|".join(str(i) for i in range(cfg.tensor_parallel_size)))
+    env.update(dict(cfg.env))
     return env
 
 
@@ -115,24 +126,43 @@ class LocalServer:
         return f"the vLLM server exited with code {self.proc.returncode}; see {self.log_path}"
 
     def kill(self) -> None:
-        """The server dies at once, as in a crash (tests, fault injection)."""
+        """The server dies at once, as in a crash (tests, fault injection): its main
+        process is SIGKILLed; its workers and multiprocessing's resource tracker follow by
+        themselves (the tracker unlinks the shared memory they used), then anything left
+        of its process group is killed."""
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.kill()
             self.proc.wait(30)
+        self._reap_group()
 
     def stop(self) -> None:
-        """End the server and everything it started (its process group)."""
+        """End the server (SIGTERM: vLLM shuts its workers down) and everything it
+        started (its process group)."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
+            self.proc.terminate()
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                pass
-        try:  # workers left behind by a server that died
+                self.proc.kill()
+                self.proc.wait(30)
+        self._reap_group()
+        self.proc = None
+
+    def _reap_group(self, grace_s: float = 15.0) -> None:
+        """Wait (at most ``grace_s``) for the server's process group to empty, then kill
+        what is left of it."""
+        if self.proc is None:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self.proc.wait(30)
-        self.proc = None

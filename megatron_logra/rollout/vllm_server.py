@@ -30,24 +30,31 @@ failure.
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
+from pathlib import Path
 
-from megatron_logra.bridge.protocol import Completion, EngineError, PushRefused, SampleRequest
+from megatron_logra.bridge.protocol import (Completion, EngineError, PushInFlight, PushRefused,
+                                            SampleRequest)
 
 BACKEND = "mlogra"  # weight_sync.vllm_plugin.BACKEND (not imported: that module needs vLLM)
 UNVERSIONED = -1  # vLLM's weight version is "default" until the first finished push
+HEALTH_POLL_S = 2.0  # how often a long call checks that the server is still healthy
 
 
 class VllmServer:
     """Trainer rank 0's handle on a running vLLM server (see the module doc)."""
 
     def __init__(self, url: str, request_timeout_s: float = 1800.0,
-                 connect_timeout_s: float = 600.0, concurrency: int = 64, owner=None):
+                 connect_timeout_s: float = 600.0, concurrency: int = 64, owner=None,
+                 adapter_root: str | None = None):
         """``owner``: the ``server_process.LocalServer`` that runs this server (trainer
-        rank 0 started it: ``restart`` starts a fresh one); None: a server the user runs."""
+        rank 0 started it: ``restart`` starts a fresh one); None: a server the user runs.
+        ``adapter_root``: where LoRA adapters are written for the server to load
+        (``--weight-sync lora-adapter``)."""
         import requests
 
         self.timeout, self.connect_timeout = request_timeout_s, connect_timeout_s
@@ -59,17 +66,19 @@ class VllmServer:
         self._call: threading.Thread | None = None
         self._call_result: list = []
         self._update: dict = {}  # the push ``expect`` opened (its kind and version)
+        self.adapter_root = Path(adapter_root) if adapter_root else None
+        self.adapter: tuple[str, Path] | None = None  # the LoRA adapter served: (name, folder)
         self._connect(url)
 
     @classmethod
-    def local(cls, cfg, log_path, *, cuda: bool) -> VllmServer:
+    def local(cls, cfg, log_path, *, cuda: bool, adapter_root: str | None = None) -> VllmServer:
         """Start vLLM's server for ``cfg`` (``EngineConfig``) here and connect to it."""
         from megatron_logra.rollout.server_process import LocalServer
 
         owner = LocalServer(cfg, log_path, cuda=cuda)
         try:
             return cls(owner.start(), cfg.request_timeout_s, cfg.startup_timeout_s,
-                       owner=owner)
+                       owner=owner, adapter_root=adapter_root)
         except EngineError:
             owner.stop()
             raise
@@ -78,6 +87,7 @@ class VllmServer:
         t0 = time.perf_counter()
         self.url = url.rstrip("/")
         self.start_id += 1
+        self.adapter = None  # a fresh server serves the base
         self._wait_healthy(self.connect_timeout)
         self.model = self._get("v1/models")["data"][0]["id"]
         self.world_size = int(self._get("get_world_size")["world_size"])
@@ -111,16 +121,20 @@ class VllmServer:
     def _post(self, path: str, body: dict | None = None, **kwargs):
         return self._request("POST", path, json=body, **kwargs)
 
-    def _wait_healthy(self, timeout_s: float) -> None:
+    def _healthy(self) -> bool:
+        """``/health`` answers 200 (vLLM answers 503 once its engine core died)."""
         import requests
 
+        try:
+            return self.http.get(f"{self.url}/health", timeout=10).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
-            try:
-                if self.http.get(f"{self.url}/health", timeout=10).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
+            if self._healthy():
+                return
             died = self.owner.exit_note() if self.owner is not None else ""
             if died:
                 raise EngineError(f"vLLM server start-up: {died}")
@@ -161,7 +175,13 @@ class VllmServer:
         call, self._call = self._call, None
         if call is None:
             raise EngineError("vLLM server: end_call without a call in flight")
-        call.join(self.timeout)
+        deadline = time.monotonic() + self.timeout
+        while call.is_alive() and time.monotonic() < deadline:
+            call.join(HEALTH_POLL_S)
+            if call.is_alive() and not self._healthy():
+                # vLLM's API server outlives a dead engine core (its RPCs never answer)
+                raise EngineError(f"vLLM server {self.url} became unhealthy during the call"
+                                  + (f" ({self.owner.exit_note()})" if self.owner else ""))
         if call.is_alive() or not self._call_result:
             raise EngineError(f"vLLM server: no answer in {self.timeout} s")
         status, value = self._call_result[0]
@@ -198,6 +218,40 @@ class VllmServer:
         self._post("finish_weight_update", {"weight_version": str(int(version))})
         self._post("reset_prefix_cache")  # cached KV blocks were computed with the old weights
         self._post("resume")
+        self._update = {}
+
+    # --- LoRA (``--weight-sync lora-adapter``) ---------------------------------------------
+    def set_adapter(self, tensors: dict, config: dict, version: int) -> int:
+        """Serve a new LoRA adapter (PEFT's tensors and config) as ``version`` from now on;
+        returns its bytes."""
+        from megatron_logra.bridge.engine_lora import write_adapter
+
+        if self.adapter_root is None:
+            raise EngineError("a LoRA adapter push needs the server's adapter folder")
+        folder = write_adapter(self.adapter_root, tensors, config, version)
+        name = f"policy-v{version}-s{self.start_id}"
+        self._post("v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+        previous, self.adapter = self.adapter, (name, folder)
+        if previous is not None and previous[0] != name:
+            self._post("v1/unload_lora_adapter", {"lora_name": previous[0]})
+            if previous[1] != folder:
+                shutil.rmtree(previous[1], ignore_errors=True)
+        self.assume_version(version)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    @property
+    def served_model(self) -> str:
+        """What requests name: the adapter when one is served, else the base."""
+        return self.adapter[0] if self.adapter is not None else self.model
+
+    # --- colocated: sleep and wake (a server started with sleep mode) ---------------------
+    def sleep(self) -> None:
+        """Release the weights (to host memory) and the KV cache until ``wake``."""
+        self._post("sleep", params={"level": 1})
+
+    def wake(self, tags: list[str]) -> None:
+        """Take back ``["weights"]`` (before a push) or ``["kv_cache"]`` (before generating)."""
+        self._post("wake_up", params=[("tags", t) for t in tags])
 
     def checksums(self) -> dict[str, str]:
         """vLLM's SHA-256 of every parameter of every worker, keyed
@@ -209,6 +263,7 @@ class VllmServer:
                  on_progress=None, phase: str = "rollouts") -> list[Completion]:
         """One completion per request, in order; ``on_progress(done, total, note)`` as
         samples finish."""
+        self._require_committed()
         serving = self.version
         if serving != expected_version:
             raise EngineError(f"the vLLM server serves weights version {serving}, the trainer "
@@ -219,7 +274,8 @@ class VllmServer:
 
         def one(r: SampleRequest) -> Completion:
             out = self._post("v1/completions", {
-                "model": self.model, "prompt": r.prompt_ids, "max_tokens": r.max_new_tokens,
+                "model": self.served_model, "prompt": r.prompt_ids,
+                "max_tokens": r.max_new_tokens,
                 "temperature": r.temperature, "top_p": r.top_p, "seed": r.seed,
                 "logprobs": 0, "return_token_ids": True})["choices"][0]
             ids = list(out["token_ids"])
@@ -240,12 +296,22 @@ class VllmServer:
 
     def prompt_logprobs(self, rows: list[list[int]]) -> list[list[float]]:
         """log p(row[t] | row[:t]) for t >= 1 under the served weights."""
+        self._require_committed()
         def one(row: list[int]) -> list[float]:
             out = self._post("v1/completions", {
-                "model": self.model, "prompt": row, "max_tokens": 1, "temperature": 1.0,
+                "model": self.served_model, "prompt": row, "max_tokens": 1,
+                "temperature": 1.0,
                 "prompt_logprobs": 0})["choices"][0]["prompt_logprobs"]
             return [float(entry[str(tok)]["logprob"]) for tok, entry in zip(row[1:], out[1:])]
         return list(self.pool.map(one, rows))
+
+    def _require_committed(self) -> None:
+        """Generation and scoring would mix two versions while a push is open (and hang
+        on the paused server): refused until it is finished."""
+        if self._update:
+            raise PushInFlight(f"a {self._update['kind']} push to version "
+                               f"{self._update['version']} is in flight (opened, not "
+                               f"finished): finish it first")
 
     def _fault_due(self, update: int) -> bool:
         from megatron_logra.runtime.faults import engine_fault_due
@@ -259,7 +325,7 @@ class VllmServer:
         A server the user runs is not ours to restart: wait until it is healthy, close a
         half-done update (vLLM refuses a new one while one is open) and join a fresh group
         at the next push (full weights)."""
-        self._call = None
+        self._call, self._update = None, {}
         self.restarts += 1
         if self.owner is not None:
             self._connect(self.owner.start())
@@ -286,4 +352,5 @@ class VllmServer:
 
 _DEV_ROUTES = {"weight_info", "get_world_size", "init_weight_transfer_engine", "pause",
                "resume", "start_weight_update", "update_weights", "finish_weight_update",
-               "weight_checker", "reset_prefix_cache", "update_weight_version"}
+               "weight_checker", "reset_prefix_cache", "update_weight_version", "sleep",
+               "wake_up"}

@@ -2,7 +2,7 @@
 
 Every place that replaces or reads a megatron-core or vLLM internal (``patches/``,
 ``runtime/megatron_shims``, ``kl/step_scale``, ``logra/sketched_linear``,
-``bridge/vllm_worker``) names it in its header and calls ``require(...)`` before it
+``weight_sync/cpu_live_weights``, ``weight_sync/vllm_backend``) names it in its header and calls ``require(...)`` before it
 touches anything: another version is refused with an error, never patched blindly or
 skipped silently. Widen a prefix only after checking the internal it guards.
 """

@@ -78,6 +78,8 @@ class ChecksumBuilder:
         incomplete = sorted(k for k, names in self.missing.items() if names)
         if incomplete:
             raise ValueError(f"checksums: HF tensors missing for {incomplete[:3]}")
+        # a server with LoRA enabled names its base weights ``...base_layer.weight``
+        served = {k.replace(".base_layer", ""): v for k, v in served.items()}
         bad = {name for key, want in self.expected.items() if served.get(key) != want
                for name in self.sources[key]}
         return sorted(bad)

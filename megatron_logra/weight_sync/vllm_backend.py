@@ -97,7 +97,8 @@ class MlograWeightTransferEngine(WeightTransferEngine[MlograInitInfo, MlograUpda
                              f"workers; this server has TP {self.shards.tp}")
         self.address = GroupAddress(**asdict(init_info))
         self.group = join_group(self.address, self.address.trainers + self.shards.tp_rank,
-                                device=self.shards.device)
+                                device=self.shards.device if init_info.backend == "nccl"
+                                else None)
         self.shards.zero_vocab_padding()  # as vLLM's loader leaves it (dummy weights: not)
 
     def start_weight_update(self) -> None:

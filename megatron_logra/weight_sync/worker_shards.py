@@ -1,7 +1,6 @@
 """One vLLM worker's live parameters in HF coordinates: where each HF tensor's pieces sit
-(``bridge.vllm_layout``), receiving direct-channel messages into them, and reading them
-back (fingerprints, pieces). Runs inside vLLM's workers, called by the ``mlogra`` weight
-transfer backend (``weight_sync.vllm_backend``) and by the engine worker extension.
+(``bridge.vllm_layout``), and receiving weight messages into them. Runs inside vLLM's
+workers, called by the ``mlogra`` weight-transfer backend (``weight_sync.vllm_backend``).
 
 Everything is applied in place, each worker into its own TP shard; every message is
 checked against the worker's parameters before any of it is applied
@@ -11,6 +10,8 @@ checked against the worker's parameters before any of it is applied
 from __future__ import annotations
 
 import torch
+
+BASE_LAYER = ".base_layer"  # vLLM's LoRA wrapper around a layer (``BaseLayerWithLoRA``)
 
 
 class WorkerShards:
@@ -32,9 +33,11 @@ class WorkerShards:
         return next(self.model.parameters()).device
 
     def params(self) -> dict[str, torch.Tensor]:
-        """vLLM's parameter name -> its live tensor (read afresh: a full reload may have
-        replaced the objects)."""
-        return {n: p.data for n, p in self.model.named_parameters(remove_duplicate=False)}
+        """vLLM's parameter name -> its live tensor (read afresh). A server with LoRA
+        enabled wraps each layer (``qkv_proj.base_layer.weight``): the base's names are
+        the plain ones."""
+        return {n.replace(BASE_LAYER, ""): p.data
+                for n, p in self.model.named_parameters(remove_duplicate=False)}
 
     def locator(self):
         """``locate(hf_name)`` -> [(live tensor, ``vllm_layout.Placement``)]."""
@@ -99,7 +102,9 @@ class WorkerShards:
             check_updates(self.arch, updates, shapes)
             apply_updates_into(self.arch, updates, locate)
 
-        device, received = self.device, 0
+        # gloo carries host tensors (a server on the trainer's own GPUs); NCCL the GPU's
+        device = self.device if address.backend == "nccl" else torch.device("cpu")
+        received = 0
         for k in range(rounds):
             for sender in range(address.trainers):
                 meta, tensors, size = recv_message(group, sender, device, address.timeout_s)
@@ -109,20 +114,3 @@ class WorkerShards:
             if k == 0 and after_first_round is not None:
                 after_first_round()
         return received
-
-    def fingerprints(self, names: list[str]) -> dict[str, float]:
-        """This worker's share of each HF tensor's fingerprint (its primary pieces)."""
-        from megatron_logra.bridge.fingerprint import fingerprint
-
-        locate = self.locator()
-        return {name: sum(fingerprint(target[p.local_row:p.local_row + p.row1 - p.row0],
-                                      p.row0, p.col0 or 0)
-                          for target, p in locate(name) if p.primary)
-                for name in names}
-
-    def pieces(self, names: list[str]) -> list[tuple[str, int, int, int | None, torch.Tensor]]:
-        """This worker's primary pieces (name, row0, row1, col0, a CPU copy of the values)."""
-        locate = self.locator()
-        return [(name, p.row0, p.row1, p.col0,
-                 target[p.local_row:p.local_row + p.row1 - p.row0].to("cpu", copy=True))
-                for name in names for target, p in locate(name) if p.primary]

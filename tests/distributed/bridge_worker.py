@@ -6,14 +6,12 @@ For each trainer layout of the launch (``LAYOUTS``: bf16 weights, LoGRA in SR mo
 every sketch target, a bf16 engine of vLLM TP1 (norms trained by Adam) or, from
 TP2 x PP2, TP2 (norms frozen)): four RL updates, pushed as
 sparse-delta, sketch-delta, sketch-delta, full (``TRANSPORTS``; the start-up push is full). After
-every push rank 0 compares the engine's weights with the trainer's (gathered to HF
-tensors): over the pipe the engine's held HF tensors element by element, a vLLM server
-by vLLM's own checksums of every parameter of every worker; at the end the logprobs;
-it checks that a delta on the wrong base version is refused with the engine still
-serving. Each layout runs twice: over the rank-0 pipe into the engine process, and over
-the direct channel (``--weight-sync-channel direct``) into vLLM's server, which trainer
-rank 0 starts and which is killed once on the way; PP2's direct run goes into the
-server the test started (``BRIDGE_ENGINE_URL``, standing for another node), instead.
+every push rank 0 compares the server's weights with the trainer's (gathered to HF
+tensors) by vLLM's own checksums of every parameter of every worker; at the end the
+logprobs; it checks that a delta on the wrong base version is refused with the server
+still serving. The engine is vLLM's server, which trainer rank 0 starts and which is
+killed once on the way; PP2 goes into the server the test started
+(``BRIDGE_ENGINE_URL``, standing for another node), instead.
 """
 
 from __future__ import annotations
@@ -40,22 +38,17 @@ TRAINERS = {1: {"tp1": []}, 2: {"tp2": TP2, "pp2": PP2}, 4: {"tp2pp2": [*TP2, *P
 # every trainer layout into a vLLM TP1 engine, with the norms trained by Adam (sent in full
 # with each sketch delta); TP2 x PP2 also into a vLLM TP2 engine with them frozen (the
 # paper's: not sent). TP1, TP2 and PP2 into the TP2 engine are left out: TP2 x PP2 covers
-# both splits at once, and each TP2 engine costs ~50 s of the suite's 40-minute budget.
+# both splits at once, and each TP2 server costs ~30 s of the suite's time.
 ADAM = ["--logra-untargeted", "adam"]
 INTO_ENGINE_TP2 = ("tp2pp2",)
-PIPE_LAYOUTS = {world: {**{name: [*flags, *ADAM] for name, flags in layouts.items()},
-                        **{f"{name}_engine_tp2": [*flags, *ENGINE_TP2]
-                           for name, flags in layouts.items() if name in INTO_ENGINE_TP2}}
-                for world, layouts in TRAINERS.items()}
-# each layout again over the direct channel (every rank sends each vLLM worker its own
-# pieces), with the engine killed before update 3's rollouts: it restarts on dummy
-# weights, joins a fresh group and is resynced in full
-DIRECT = ["--weight-sync-channel", "direct"]
+LAYOUTS = {world: {**{name: [*flags, *ADAM] for name, flags in layouts.items()},
+                   **{f"{name}_engine_tp2": [*flags, *ENGINE_TP2]
+                      for name, flags in layouts.items() if name in INTO_ENGINE_TP2}}
+           for world, layouts in TRAINERS.items()}
+# the server is killed before update 3's rollouts: a fresh one starts on dummy weights,
+# joins a fresh group and is resynced in full
 KILL_BEFORE_UPDATE = 2
-REMOTE = "pp2_direct"  # into the test's server when the launch names one
-LAYOUTS = {world: {**layouts, **{f"{name}_direct": [*flags, *DIRECT]
-                                 for name, flags in layouts.items()}}
-           for world, layouts in PIPE_LAYOUTS.items()}
+REMOTE = "pp2"  # into the test's server when the launch names one
 TRANSPORTS = ["sparse-delta", "sketch-delta", "sketch-delta", "full"]
 
 
@@ -67,29 +60,20 @@ def _trainer_hf(run) -> dict[str, torch.Tensor]:
 
 
 def _differing(run) -> list[str] | None:
-    """The HF tensors the engine holds differently from the trainer (rank 0)."""
-    if run.weights.direct:  # a vLLM server: its checksums
-        names, failed = run.weights.full.mismatches(run.engine)
-        assert not failed, failed
-        return names if dist.get_rank() == 0 else None
-    mine = _trainer_hf(run)
-    if dist.get_rank() != 0:
-        return None
-    theirs = run.engine.engine_weights(sorted(mine))
-    return sorted(n for n in mine if not torch.equal(mine[n], theirs[n]))
+    """The HF tensors the server holds differently from the trainer (rank 0): vLLM's
+    checksums against the ones the trainer's weights make."""
+    names, failed = run.weights.full.mismatches(run.engine)
+    assert not failed, failed
+    return names if dist.get_rank() == 0 else None
 
 
 def _refused(run) -> bool:
-    """A delta on a base the engine does not serve is refused, nothing applied (rank 0)."""
+    """A delta on a base the server does not serve is refused, nothing applied (rank 0)."""
     from megatron_logra.bridge.protocol import PushRefused
 
     try:
-        if run.weights.direct:
-            run.engine.expect("sketch-delta", base_version=run.version + 5,
-                              version=run.version + 6)
-        else:
-            run.engine.sketch_delta([], [], base_version=run.version + 5,
-                                    version=run.version + 6)
+        run.engine.expect("sketch-delta", base_version=run.version + 5,
+                          version=run.version + 6)
         return False
     except PushRefused as exc:
         return "push full weights" in str(exc)
@@ -126,10 +110,8 @@ def _check_layout(argv: list[str], kill_engine: bool = False) -> dict:
             out["logprob_diff"] = float((trainer - engine).abs().max())
             out["full_bytes"] = sum(t.numel() * t.element_size() for t in full.values())
             out["refused"] = _refused(run)
-            served = (run.engine.version if run.weights.direct
-                      else run.engine.engine_version())
-            out["serving_after_refusal"] = served == run.version
-        out["fingerprint_mismatches"] = run.sync.fingerprint_mismatches
+            out["serving_after_refusal"] = run.engine.version == run.version
+        out["checksum_mismatches"] = run.sync.checksum_mismatches
         out["restarts"] = run.sync.restarts
     finally:
         run.close()
@@ -150,7 +132,7 @@ def main() -> None:
             flags = [*flags, "--rollout-engine-url", remote,
                      "--model-dir", os.environ["BRIDGE_MODEL_DIR"]]
         result[name] = _check_layout([*BASE, *flags, "--output-dir", f"{run_dir}/{name}"],
-                                     kill_engine=name.endswith("_direct") and not remote)
+                                     kill_engine=not remote)
         result[name]["remote_engine"] = bool(remote)
         if rt.rank == 0:
             print(f"[bridge] {name}: {result[name]}", flush=True)

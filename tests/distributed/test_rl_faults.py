@@ -1,19 +1,19 @@
-"""Faults survived by an RL run (torchrun, DP2 on gloo, a real vLLM engine; LoGRA with
+"""Faults survived by an RL run (torchrun, DP2 on gloo, vLLM's own server; LoGRA with
 sketch-delta sync and predicted-KL control, bf16 as in the paper's recipe).
 
 One job meets four faults (``runtime.faults``) and must end exactly where an
 uninterrupted job ends:
-1. the engine dies in the middle of update 1's rollouts (after its first sample);
-2. the next engine dies in the middle of update 2's sketch-delta push (the workers
-   applied it, nothing was committed);
+1. the server dies in the middle of update 1's rollouts (after its first sample);
+2. the next server dies in the middle of update 2's sketch-delta push (its workers
+   applied it, the update was not finished);
 3. the next one dies in the middle of update 3's full push (an anchor push: its first
-   bucket loaded, nothing committed);
+   round received, the update not finished);
 4. trainer rank 1 dies in update 4's optimizer step; torchrun restarts the job, which
    resumes from the update-2 checkpoint on its own and redoes updates 3 and 4.
 Every metric of every update (rewards, losses, the KL controller's alpha, the logprob
 mismatch) and the final weights equal the uninterrupted job's bit for bit; the engine
-restarts are counted in metrics.jsonl; at the end the engine's weights equal the
-trainer's (fingerprints); no process and no /dev/shm entry is left behind.
+restarts are counted in metrics.jsonl; at the end the server's weights equal the
+trainer's (vLLM's checksums); no process and no /dev/shm entry is left behind.
 """
 
 from __future__ import annotations
@@ -92,4 +92,4 @@ def test_engine_restarts_are_counted_and_the_engine_ends_in_sync(jobs):
     # were redone by the restarted job, whose engine never died
     assert [r["engine_restarts"] for r in faulted] == [1, 2, 0, 0]
     assert faulted[-1]["engine_weight_mismatches"] == 0
-    assert all(r["fingerprint_mismatches"] == 0 for r in faulted)
+    assert all(r["checksum_mismatches"] == 0 for r in faulted)

@@ -58,11 +58,11 @@ LAYOUTS = {
                   "--logra-update-ratio", "2e-2", "--algorithm", "reinforce",
                   "--prompts-per-step", "16", "--responses-per-prompt", "1", *KL],
     # LoRA: the engine gets the merged W + (alpha / r) B A (each TP rank merges its shard
-    # and sends its pieces straight to the engine: the direct channel)
+    # and sends its pieces straight to the server's workers)
     "tp2_lora": ["--tensor-model-parallel-size", "2", "--peft", "lora", "--lora-rank", "8",
-                 "--lr", "2e-2", "--weight-sync-channel", "direct", *KL],
-    # LoRA with adapter-only sync: the engine keeps the base and serves the adapter
-    # (vLLM's LoRA support); trainer TP2 and PP2
+                 "--lr", "2e-2", *KL],
+    # LoRA with adapter-only sync: the server keeps the base and serves the adapter
+    # (vLLM's runtime LoRA loading); trainer TP2 and PP2
     "tp2_lora_adapter": ["--tensor-model-parallel-size", "2", "--peft", "lora", "--lora-rank",
                          "8", "--lr", "2e-2", "--weight-sync", "lora-adapter", *KL],
     "pp2_lora_adapter": ["--pipeline-model-parallel-size", "2", "--peft", "lora",
@@ -71,13 +71,12 @@ LAYOUTS = {
     # published recipes' switches with LoGRA at DP2: 2 PPO epochs x 2 minibatches (4
     # LoGRA steps per update, clip-higher), GSPO's aggregation, DAPO's dynamic sampling
     # (at most 2 generation rounds); no KL control (refused with several steps); the
-    # engine on a core of its own, its weights over the direct channel (DP rank 0 sends)
+    # server on a core of its own (DP rank 0 sends its weights)
     "dp2_logra_ppo": ["--optimizer", "logra", "--logra-rank", "16", "--logra-update-ratio",
                       "2e-2", "--ppo-epochs", "2", "--ppo-minibatches", "2",
                       "--clip-ratio-low", "0.2", "--clip-ratio-high", "0.28",
                       "--loss-agg-mode", "seq-mean-token-mean", "--dynamic-sampling",
-                      "--dynamic-sampling-max-rounds", "2", "--rollout-placement", "dedicated",
-                      "--weight-sync-channel", "direct"],
+                      "--dynamic-sampling-max-rounds", "2", "--rollout-placement", "dedicated"],
 }
 # the dedicated engine's core: this machine's last (the trainer ranks get the others)
 ENGINE_CORE = max(os.sched_getaffinity(0))

@@ -75,7 +75,7 @@ def result(tmp_path_factory) -> dict:
                "--tensor-model-parallel-size", "2", "--optimizer", "logra", "--logra-rank",
                str(RANK), "--logra-update-ratio", "2e-2", "--bf16", "--rollout-dtype",
                "bfloat16", "--logra-master-weights", "none", "--weight-sync", "sketch-delta",
-               "--weight-sync-channel", "direct", "--rollout-tensor-parallel-size", "2",
+               "--rollout-tensor-parallel-size", "2",
                "--rollout-engine-url", f"http://127.0.0.1:{port}", "--model-dir", str(model),
                "--output-dir", str(tmp / "run")]
         env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")

@@ -38,7 +38,7 @@ EXPECTED_FLAGS = {
     "--verifier-timeout", "--eval-interval", "--eval-prompts", "--eval-samples",
     "--rollout-tensor-parallel-size", "--rollout-dtype", "--rollout-kv-cache-gib",
     "--rollout-placement", "--rollout-devices", "--rollout-engine-url",
-    "--weight-sync-channel", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
+    "--optimizer-cpu-offload", "--optimizer-offload-fraction",
     "--sync-bucket-mb", "--kl-control", "--kl-budget", "--kl-budget-final", "--kl-budget-steps",
     "--kl-alpha-max", "--kl-probe-responses", "--kl-probe-max-tokens", "--kl-mismatch-adjust",
     "--no-kl-mismatch-adjust", "--weight-sync", "--weight-sync-anchor-interval",

@@ -21,7 +21,7 @@ from packaging.requirements import Requirement
 from megatron_logra.bridge.engine_memory import (ENGINE_OVERHEAD_BYTES, GIB,
                                                  VLLM_DEFAULT_UTILIZATION, GpuMemory,
                                                  engine_bytes, shared_gpu_utilization)
-from megatron_logra.bridge.engine_server import llm_options
+from megatron_logra.rollout.server_process import server_argv
 from megatron_logra.bridge.placement import plan_placement
 from megatron_logra.bridge.protocol import EngineConfig
 from megatron_logra.cli import parse_run_config
@@ -81,19 +81,29 @@ def test_an_engine_on_the_trainers_gpu_asks_vllm_for_what_is_free():
         shared_gpu_utilization([GpuMemory(free=5 * GIB, total=80 * GIB)], needed)
 
 
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
 def test_vllms_token_budget_is_the_cpu_workaround_on_cpu_only():
     """On CPU prefill must never be chunked (seeded requests), so the budget is
     max_model_len x max_num_seqs; on GPU vLLM's profiling run would allocate activations
     for that many tokens (half a million at the paper's settings), so its default stays,
-    and the memory fraction sized by the trainer is passed."""
+    and the memory fraction sized by the trainer is passed (the server's command line)."""
     cfg = EngineConfig("/m", max_model_len=4096, max_num_seqs=128, gpu_memory_utilization=0.4)
-    cpu = llm_options(cfg, cuda=False)
-    assert cpu["max_num_batched_tokens"] == 4096 * 128 and "gpu_memory_utilization" not in cpu
-    cuda = llm_options(cfg, cuda=True)
-    assert "max_num_batched_tokens" not in cuda and cuda["gpu_memory_utilization"] == 0.4
-    assert "gpu_memory_utilization" not in llm_options(EngineConfig("/m", max_model_len=8),
-                                                       cuda=True)
-    assert cuda["max_model_len"] == 4096 and cuda["kv_cache_memory_bytes"] == GIB
+    cpu = server_argv(cfg, 8000, cuda=False)
+    assert _flag(cpu, "--max-num-batched-tokens") == str(4096 * 128)
+    assert "--gpu-memory-utilization" not in cpu
+    cuda = server_argv(cfg, 8000, cuda=True)
+    assert "--max-num-batched-tokens" not in cuda
+    assert _flag(cuda, "--gpu-memory-utilization") == "0.4"
+    assert "--gpu-memory-utilization" not in server_argv(EngineConfig("/m", max_model_len=8),
+                                                         8000, cuda=True)
+    assert _flag(cuda, "--max-model-len") == "4096"
+    assert _flag(cuda, "--kv-cache-memory-bytes") == str(GIB)
+    assert _flag(cuda, "--load-format") == "dummy"  # the first push brings the weights
+    assert "--enable-sleep-mode" in server_argv(EngineConfig("/m", 8, sleep_mode=True), 1,
+                                                cuda=True)
 
 
 @pytest.mark.parametrize("family,kw", [
@@ -112,21 +122,19 @@ def test_the_parameter_count_sizing_the_engine_is_hf_transformers(family, kw):
                                                              model.parameters())
 
 
-# --- 6. the direct channel on the trainer's GPUs --------------------------------------
-def test_the_direct_channel_is_refused_where_nccl_would_see_one_gpu_twice():
-    """Trainer rank 0 and vLLM worker 0 on one GPU in one NCCL communicator: NCCL refuses
-    ("Duplicate GPU detected"). Refused at start-up with the fix; dedicated GPUs, an
-    engine on another node and every CPU run are fine."""
+# --- 6. the weight group on the trainer's GPUs ----------------------------------------
+def test_a_server_on_the_trainers_gpus_gets_a_gloo_weight_group():
+    """Trainer rank 0 and server worker 0 on one GPU in one NCCL communicator: NCCL refuses
+    ("Duplicate GPU detected"). Under inherit and colocated on CUDA the weight group is
+    gloo (through host memory); dedicated GPUs, a server at a URL and every CPU run keep
+    the device's backend."""
     kw = dict(engine_tp=1, node_devices=list(range(8)), local_world_size=4)
     for mode in ("inherit", "colocated"):
-        with pytest.raises(ValueError, match="--rollout-placement dedicated"):
-            plan_placement(mode, "", cuda=True, direct_channel=True, **kw)
-        assert plan_placement(mode, "", cuda=True, direct_channel=True, remote_engine=True,
-                              **kw).mode == mode
-        assert plan_placement(mode, "", cuda=False, direct_channel=True, **kw).mode == mode
-        assert plan_placement(mode, "", cuda=True, **kw).mode == mode
-    assert plan_placement("dedicated", "6", cuda=True, direct_channel=True,
-                          **kw).devices == (6,)
+        assert plan_placement(mode, "", cuda=True, **kw).shares_trainer_gpus
+        assert not plan_placement(mode, "", cuda=True, remote_engine=True,
+                                  **kw).shares_trainer_gpus
+        assert not plan_placement(mode, "", cuda=False, **kw).shares_trainer_gpus
+    assert not plan_placement("dedicated", "6", cuda=True, **kw).shares_trainer_gpus
 
 
 # --- 5. predicted-KL control never runs silently off ----------------------------------

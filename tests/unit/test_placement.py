@@ -89,17 +89,6 @@ def test_flags_reach_the_config_and_are_checked_at_parse():
             parse_run_config([*rl, *argv], world_size=1)
 
 
-def test_the_direct_channel_is_checked_at_parse():
-    rl = ["--stage", "rl", "--prompts-per-step", "4", "--responses-per-prompt", "4",
-          "--micro-batch-size", "4"]
-    direct = ["--weight-sync-channel", "direct"]
-    assert parse_run_config([*rl, *direct], world_size=1).rl.sync.channel == "direct"
-    with pytest.raises(ValueError, match="lora-adapter goes through vLLM's LoRA loader.*"
-                                         "--weight-sync-channel pipe"):
-        parse_run_config([*rl, *direct, "--peft", "lora", "--weight-sync", "lora-adapter"],
-                         world_size=1)
-
-
 def test_optimizer_cpu_offload_reaches_megatron_on_cuda_and_is_refused_on_cpu(monkeypatch):
     """Colocated runs free GPU memory for the engine with megatron-core's CPU offload of
     Adam's state: the flags become its OptimizerConfig; on CPU there is nothing to move."""

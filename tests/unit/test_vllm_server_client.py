@@ -57,14 +57,12 @@ def test_the_backends_init_and_update_info_are_checked():
 
 def test_the_server_url_is_checked_at_parse():
     url = ["--rollout-engine-url", "http://127.0.0.1:8000"]
-    direct = ["--weight-sync-channel", "direct"]
-    cfg = parse_run_config([*RL, *url, *direct], world_size=1)
+    cfg = parse_run_config([*RL, *url], world_size=1)
     assert cfg.rl.rollout_engine_url == "http://127.0.0.1:8000"
     for argv, why in (
-            (url, "over --weight-sync-channel direct: add it"),
-            (["--rollout-engine-url", "127.0.0.1:8000", *direct], "as http://HOST:PORT"),
-            (["--rollout-engine-url", "http://host", *direct], "as http://HOST:PORT"),
-            ([*url, *direct, "--rollout-placement", "dedicated", "--rollout-devices", "1"],
+            (["--rollout-engine-url", "127.0.0.1:8000"], "as http://HOST:PORT"),
+            (["--rollout-engine-url", "http://host"], "as http://HOST:PORT"),
+            ([*url, "--rollout-placement", "dedicated", "--rollout-devices", "1"],
              "runs where you started it: drop it")):
         with pytest.raises(ValueError, match=why):
             parse_run_config([*RL, *argv], world_size=1)
