@@ -376,7 +376,7 @@ def project(gpu_gibs: list[float]) -> dict:
     return out
 
 
-# The rollout engine's share (``bridge.placement``), per engine GPU. Assumed, not
+# The rollout engine's share (``rollout.placement``), per engine GPU. Assumed, not
 # measured: vLLM's CUDA context, workspace and sampler on an awake engine, and what a
 # sleeping one keeps (level 1: weights moved to host memory, KV cache dropped).
 ENGINE_OVERHEAD_GIB, ENGINE_ASLEEP_GIB = 2.0, 1.0

@@ -96,7 +96,7 @@ def rollout_speed(prompts: int = 32, new_tokens: int = 48) -> dict:
     push can update in place) and of one with live weights (``F.linear``, what the
     ``mlogra`` backend writes into): the price on CPU of in-place pushes. The best of two
     rounds of ``prompts`` x ``new_tokens``."""
-    from megatron_logra.bridge.protocol import EngineConfig, SampleRequest
+    from megatron_logra.rollout.types import EngineConfig, SampleRequest
     from megatron_logra.rollout.vllm_server import VllmServer
 
     requests = [SampleRequest(list(range(100, 140)), seed=i, max_new_tokens=new_tokens,
@@ -128,8 +128,8 @@ def main(argv=None) -> None:
     if not (MODEL / "model.safetensors").exists() or not (CKPT / "latest").exists():
         raise SystemExit(f"needs {MODEL} and {CKPT}: run `make demo` once (it converts "
                          "SmolLM2-135M-Instruct with checkpoints_tools)")
-    from megatron_logra.bridge.full_weights import full_push
-    from megatron_logra.bridge.sketch_delta import owned_updates
+    from megatron_logra.weight_sync.full_weights import full_push
+    from megatron_logra.weight_sync.sketch_rows import owned_updates
     from megatron_logra.cli import parse_run_config
     from megatron_logra.rl.loop import RLRun
     from megatron_logra.training.step import train_step

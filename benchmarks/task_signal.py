@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=48)
     args = p.parse_args(argv)
 
-    from megatron_logra.bridge.protocol import EngineConfig, SampleRequest
+    from megatron_logra.rollout.types import EngineConfig, SampleRequest
     from megatron_logra.data.tasks import generate_items
     from megatron_logra.data.tokenizer import load_tokenizer
     from megatron_logra.rl import rollouts

@@ -74,10 +74,10 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_logra.bridge.config import WeightSyncConfig
-    from megatron_logra.bridge.engine_link import EngineLink
-    from megatron_logra.bridge.protocol import EngineConfig, Transport
-    from megatron_logra.bridge.sync import WeightSync
+    from megatron_logra.weight_sync.config import WeightSyncConfig
+    from megatron_logra.rollout.engine_link import EngineLink
+    from megatron_logra.rollout.types import EngineConfig, Transport
+    from megatron_logra.weight_sync.sync import WeightSync
     from megatron_logra.config import LograConfig, OptimizerConfig
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.provider import ModelBuildConfig

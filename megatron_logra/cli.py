@@ -14,7 +14,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from megatron_logra.bridge.config import WeightSyncConfig
+from megatron_logra.weight_sync.config import WeightSyncConfig
 from megatron_logra.cli_rl import check_rl
 from megatron_logra.config import (CheckpointConfig, DataConfig, LoggingConfig, ModelSource,
                                    OptimizerConfig, RunConfig, TrainingConfig)

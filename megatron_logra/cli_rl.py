@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_logra.bridge.placement import check_placement_flags
+from megatron_logra.rollout.placement import check_placement_flags
 from megatron_logra.config import OptimizerConfig, TrainingConfig
 from megatron_logra.rl.config import RLConfig
 

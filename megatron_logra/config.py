@@ -1,7 +1,7 @@
 """Typed, frozen run configuration: built once from the CLI (``megatron_logra.cli``).
 
 Each component owns its config dataclass (``logra.config.LograConfig``,
-``lora.config.LoraConfig``, ``rl.config.RLConfig``, ``kl.config.KLControlConfig``, ``bridge.config.WeightSyncConfig``,
+``lora.config.LoraConfig``, ``rl.config.RLConfig``, ``kl.config.KLControlConfig``, ``weight_sync.config.WeightSyncConfig``,
 ``runtime.parallel.ParallelConfig``); this module holds the trainer's own and composes
 them into ``RunConfig``. A field is its flag: its default, its meaning (the string under
 it) and its checks build the command line (``flags``). Each component receives only its

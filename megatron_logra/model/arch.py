@@ -1,7 +1,7 @@
 """The decoder architecture, read from an HF ``config.json`` and validated.
 
 ``ModelArch`` is the one description of the network that the model provider, the
-checkpoint converter and the weight-sync bridge share. Supported: Llama, Qwen2
+checkpoint converter and weight sync share. Supported: Llama, Qwen2
 (qkv bias) and Qwen3 (q/k RMSNorm, head_dim may differ from hidden/heads), with
 GQA, RMSNorm, SwiGLU, rope and tied or untied embeddings. Anything megatron-core
 cannot express exactly is refused here with a message naming the field.

@@ -1,6 +1,6 @@
 """The RL stage's settings (``--stage rl``): rollouts, rewards, advantages, evaluation.
 
-No torch, no megatron. Weight sync (``bridge.config``) and predicted-KL control
+No torch, no megatron. Weight sync (``weight_sync.config``) and predicted-KL control
 (``kl.config``) own their settings; ``RLConfig`` holds them as its ``sync`` and ``kl``.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_logra.bridge.config import WeightSyncConfig
+from megatron_logra.weight_sync.config import WeightSyncConfig
 from megatron_logra.flags import flag_spec
 from megatron_logra.kl.config import KLControlConfig
 
@@ -103,7 +103,7 @@ class RLConfig:
     rollout_kv_cache_gib: float = 1.0
     """vLLM KV cache size."""
     rollout_placement: Literal["inherit", "dedicated", "colocated"] = "inherit"
-    """Where the engine runs (``bridge.placement``): on trainer rank 0's devices (inherit),
+    """Where the engine runs (``rollout.placement``): on trainer rank 0's devices (inherit),
     on devices of its own (dedicated: --rollout-devices), or sharing the trainer's and
     taking turns with it (colocated: vLLM's sleep mode on CUDA)."""
     rollout_devices: str = ""

@@ -1,6 +1,6 @@
 """The RL stage (``--stage rl``): rollouts -> rewards -> advantages -> update -> weight sync.
 
-Rank 0 drives the rollout engine (vLLM's own server, through ``bridge.EngineLink``)
+Rank 0 drives the rollout engine (vLLM's own server, through ``rollout.engine_link.EngineLink``)
 and the verifier;
 every rank trains. Per update:
 
@@ -12,7 +12,7 @@ every rank trains. Per update:
    truncated importance weights against the rollout logprobs, or --ppo-epochs x
    --ppo-minibatches steps against the logprobs the update started from
    (``rl.objective``: clipping, GSPO, loss aggregation);
-3. the new weights are pushed to the engine and committed (``bridge``: full,
+3. the new weights are pushed to the engine and committed (``weight_sync``: full,
    sparse-delta or sketch-delta).
 
 If the engine dies or fails a request, rank 0 restarts it, the job pushes the weights
@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_logra.bridge.engine_link import EngineLink
-from megatron_logra.bridge.engine_memory import shared_gpu_utilization_measured
-from megatron_logra.bridge.placement import EnginePlacement, plan_placement
-from megatron_logra.bridge.protocol import EngineConfig
-from megatron_logra.bridge.sync import WeightSync
+from megatron_logra.rollout.engine_link import EngineLink
+from megatron_logra.rollout.engine_memory import shared_gpu_utilization_measured
+from megatron_logra.rollout.placement import EnginePlacement, plan_placement
+from megatron_logra.rollout.types import EngineConfig
+from megatron_logra.weight_sync.sync import WeightSync
 from megatron_logra.config import RunConfig
 from megatron_logra.data.sft import padded_length
 from megatron_logra.data.tokenizer import load_tokenizer
@@ -112,7 +112,7 @@ class RLRun:
 
     # --- rank 0: engine, verifier, prompts -------------------------------------------------
     def _place_engine(self) -> EnginePlacement:
-        """Rank 0 plans where the engine runs on its node (``bridge.placement``; a refusal
+        """Rank 0 plans where the engine runs on its node (``rollout.placement``; a refusal
         is raised on every rank), and node 0's trainer ranks keep off a dedicated
         engine's CPU cores."""
         rl = self.cfg.rl
@@ -184,7 +184,7 @@ class RLRun:
                 shutil.copy2(f, out / f.name)
         return out
 
-    # --- the engine (``bridge.EngineLink``; collective) -------------------------------------
+    # --- the engine (``rollout.engine_link.EngineLink``; collective) -------------------------------------
     @property
     def engine(self):
         """Rank 0's ``VllmServer`` (None elsewhere, and before the first push)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from megatron_logra.config import RLConfig
 from megatron_logra.data.sft import batch_indices
 from megatron_logra.data.tokenizer import TextTokenizer
-from megatron_logra.bridge.protocol import Completion, SampleRequest
+from megatron_logra.rollout.types import Completion, SampleRequest
 from megatron_logra.data.tasks import TaskItem
 from megatron_logra.rl.verifiers import Verifier
 from megatron_logra.runtime.progress import Progress

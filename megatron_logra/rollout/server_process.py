@@ -7,7 +7,7 @@ launched as a child process of trainer rank 0 on a free port:
   weights (``--load-format dummy``) and the first push (full, through the ``mlogra``
   weight-transfer backend) brings the trainer's; with ``--weight-sync lora-adapter`` it
   serves LoRA adapters loaded at runtime (``engine_lora``);
-- its placement (``bridge.placement``) is its environment (``CUDA_VISIBLE_DEVICES``,
+- its placement (``rollout.placement``) is its environment (``CUDA_VISIBLE_DEVICES``,
   ``VLLM_CPU_OMP_THREADS_BIND``) and, on CPU with dedicated cores, its affinity;
 - on CPU: linear weights kept live (``MLOGRA_LIVE_WEIGHTS=1``), a token budget that
   never splits a prompt, and at TP1 the engine in the server's own process
@@ -30,8 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_logra.bridge.engine_lora import RUNTIME_LORA_ENV, lora_server_args
-from megatron_logra.bridge.protocol import EngineConfig
+from megatron_logra.rollout.lora_adapter import RUNTIME_LORA_ENV, lora_server_args
+from megatron_logra.rollout.types import EngineConfig
 from megatron_logra.rollout.vllm_server import BACKEND
 from megatron_logra.runtime.device import free_port
 from megatron_logra.weight_sync.cpu_live_weights import LIVE_WEIGHTS_ENV

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from megatron_logra.bridge.protocol import (Completion, EngineError, PushInFlight, PushRefused,
+from megatron_logra.rollout.types import (Completion, EngineError, PushInFlight, PushRefused,
                                             SampleRequest)
 
 BACKEND = "mlogra"  # weight_sync.vllm_plugin.BACKEND (not imported: that module needs vLLM)
@@ -153,7 +153,7 @@ class VllmServer:
     def assume_version(self, version: int) -> None:
         self._post("update_weight_version", {"new_version": str(int(version))})
 
-    # --- a push (the direct channel's engine side: ``bridge.direct``) -----------------------
+    # --- a push (the direct channel's engine side: ``weight_sync.channel``) -----------------------
     def _begin(self, path: str, body: dict) -> None:
         """Start a call that returns only once every trainer rank has sent (a thread);
         ``end_call`` waits for it."""
@@ -224,7 +224,7 @@ class VllmServer:
     def set_adapter(self, tensors: dict, config: dict, version: int) -> int:
         """Serve a new LoRA adapter (PEFT's tensors and config) as ``version`` from now on;
         returns its bytes."""
-        from megatron_logra.bridge.engine_lora import write_adapter
+        from megatron_logra.rollout.lora_adapter import write_adapter
 
         if self.adapter_root is None:
             raise EngineError("a LoRA adapter push needs the server's adapter folder")

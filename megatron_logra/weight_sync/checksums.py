@@ -3,7 +3,7 @@ the trainer's weights reports on ``/weight_checker {"action": "checksum"}``. Pur
 
 vLLM hashes every parameter of every worker (``compute_tensor_digests``: SHA-256 of the
 raw bytes, in the stored dtype), keyed ``dp0:pp0:pcp0:tp{rank}:{vLLM name}``. Its
-parameters are fused and sharded (``bridge.vllm_layout``: qkv_proj, gate_up_proj, a
+parameters are fused and sharded (``weight_sync.vllm_layout``: qkv_proj, gate_up_proj, a
 column slice of o_proj and down_proj, a row slice of the vocab padded to 64); the
 padding rows of a vocab parameter are zeros (vLLM's loader zero-fills them; a push never
 touches them). ``ChecksumBuilder`` assembles each worker's parameters from HF tensors as
@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import torch
 
-from megatron_logra.bridge.vllm_layout import VLLM_VOCAB_PADDING, vllm_placements
+from megatron_logra.weight_sync.vllm_layout import VLLM_VOCAB_PADDING, vllm_placements
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.hf_mapping import hf_param_shapes
 

@@ -6,12 +6,12 @@ A vLLM server started with ``--weight-transfer-config '{"backend": "mlogra"}'`` 
 pushes through its own RL routes (``VLLM_SERVER_DEV_MODE=1``):
 
 - ``/init_weight_transfer_engine {"init_info": MlograInitInfo}``: each worker joins the
-  trainer's standalone group (``bridge.p2p``: gloo on CPU, NCCL on CUDA) as group rank
+  trainer's standalone group (``weight_sync.p2p``: gloo on CPU, NCCL on CUDA) as group rank
   ``trainers + its TP rank``; every trainer rank is a member, so each sends each worker
   only the pieces of its own shard that worker holds (no gather on any rank);
 - ``/start_weight_update``, then ``/update_weights {"update_info": {"rounds": N, "kind":
   K, "version": V}}``: the workers receive N rounds of one message from every trainer rank
-  (``bridge.direct_payload``: blocks of full values, changed elements of a sparse delta,
+  (``weight_sync.messages``: blocks of full values, changed elements of a sparse delta,
   rows of D of a sketch delta applied as W -= c D A(seed)) and apply each to their live
   parameters, checked first (``worker_shards``);
 - ``/finish_weight_update {"weight_version": "V"}``: vLLM records the version.
@@ -37,7 +37,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine,
                                                    WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from megatron_logra.bridge.p2p import GroupAddress, join_group
+from megatron_logra.weight_sync.p2p import GroupAddress, join_group
 from megatron_logra.runtime import versions
 from megatron_logra.weight_sync.vllm_plugin import BACKEND  # noqa: F401 (its name)
 from megatron_logra.weight_sync.worker_shards import WorkerShards

@@ -1,5 +1,5 @@
 """One vLLM worker's live parameters in HF coordinates: where each HF tensor's pieces sit
-(``bridge.vllm_layout``), and receiving weight messages into them. Runs inside vLLM's
+(``weight_sync.vllm_layout``), and receiving weight messages into them. Runs inside vLLM's
 workers, called by the ``mlogra`` weight-transfer backend (``weight_sync.vllm_backend``).
 
 Everything is applied in place, each worker into its own TP shard; every message is
@@ -41,7 +41,7 @@ class WorkerShards:
 
     def locator(self):
         """``locate(hf_name)`` -> [(live tensor, ``vllm_layout.Placement``)]."""
-        from megatron_logra.bridge.vllm_layout import vllm_placements
+        from megatron_logra.weight_sync.vllm_layout import vllm_placements
 
         params = self.params()
 
@@ -90,9 +90,9 @@ class WorkerShards:
         (``p2p.GroupAddress``) and apply each to the live parameters (checked first);
         returns the bytes received. ``after_first_round()``: called once the first round
         is applied (fault injection)."""
-        from megatron_logra.bridge.direct_payload import apply_message, check_message
-        from megatron_logra.bridge.p2p import recv_message
-        from megatron_logra.bridge.sketch_delta import apply_updates_into, check_updates
+        from megatron_logra.weight_sync.messages import apply_message, check_message
+        from megatron_logra.weight_sync.p2p import recv_message
+        from megatron_logra.weight_sync.sketch_rows import apply_updates_into, check_updates
         from megatron_logra.model.hf_mapping import hf_param_shapes
 
         locate, params = self.locator(), self.params()

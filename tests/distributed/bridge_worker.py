@@ -53,7 +53,7 @@ TRANSPORTS = ["sparse-delta", "sketch-delta", "sketch-delta", "full"]
 
 
 def _trainer_hf(run) -> dict[str, torch.Tensor]:
-    from megatron_logra.bridge.full_weights import full_push
+    from megatron_logra.weight_sync.full_weights import full_push
 
     return {n: t for bucket in full_push(run.objs.model, run.objs.arch, run.weights.plan,
                                          dtype=torch.bfloat16) for n, t in bucket}
@@ -69,7 +69,7 @@ def _differing(run) -> list[str] | None:
 
 def _refused(run) -> bool:
     """A delta on a base the server does not serve is refused, nothing applied (rank 0)."""
-    from megatron_logra.bridge.protocol import PushRefused
+    from megatron_logra.rollout.types import PushRefused
 
     try:
         run.engine.expect("sketch-delta", base_version=run.version + 5,

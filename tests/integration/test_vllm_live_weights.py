@@ -9,7 +9,7 @@ rank", the ``mlogra`` backend's group over gloo) stands in for the trainer. Chec
 against references:
 
 - vLLM's checksums of the checkpoint it loaded equal the ones ``weight_sync.checksums``
-  predicts from the HF tensors: our placements (``bridge.vllm_layout``: qkv and
+  predicts from the HF tensors: our placements (``weight_sync.vllm_layout``: qkv and
   gate/up fusion, replicated KV heads, vocab padding zeroed) are vLLM's own layout;
 - after a sketch delta on every sketched weight (random rows, two in the vocab padding,
   which are ignored), vLLM's checksums equal the prediction from the same update applied
@@ -40,7 +40,7 @@ DTYPE = torch.bfloat16
 
 
 def _updates(arch, gen: torch.Generator):
-    from megatron_logra.bridge.sketch_delta import RowsUpdate, encode_rows
+    from megatron_logra.weight_sync.sketch_rows import RowsUpdate, encode_rows
     from megatron_logra.model.hf_mapping import megatron_param_shape
 
     names = ["embedding.word_embeddings.weight"] + [
@@ -70,9 +70,9 @@ def _predicted(arch, tp: int, weights: dict[str, torch.Tensor]) -> dict[str, str
 def _push_sketch(server, updates: list, version: int, tp: int) -> bool:
     """Send ``updates`` to every worker as one trainer rank would (the ``mlogra``
     backend's group, gloo); returns whether scoring was refused while the push was open."""
-    from megatron_logra.bridge.direct_payload import Outbox
-    from megatron_logra.bridge.p2p import GroupAddress, join_group, open_store, send_message, wait_all
-    from megatron_logra.bridge.protocol import PushInFlight
+    from megatron_logra.weight_sync.messages import Outbox
+    from megatron_logra.weight_sync.p2p import GroupAddress, join_group, open_store, send_message, wait_all
+    from megatron_logra.rollout.types import PushInFlight
     from megatron_logra.runtime.device import free_port
 
     address = GroupAddress("127.0.0.1", free_port(), "live-test/", 1, tp, "gloo", 120.0)
@@ -113,8 +113,8 @@ def _transformers_logprobs(folder, weights, rows: torch.Tensor) -> torch.Tensor:
 def case(request, tmp_path_factory):
     from safetensors.torch import load_file
 
-    from megatron_logra.bridge.protocol import EngineConfig
-    from megatron_logra.bridge.sketch_delta import apply_updates
+    from megatron_logra.rollout.types import EngineConfig
+    from megatron_logra.weight_sync.sketch_rows import apply_updates
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.tiny_assets import write_tiny_hf_checkpoint
     from megatron_logra.rollout.vllm_server import VllmServer

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_logra.bridge.sketch_delta import (RowsUpdate, apply_updates, decode_rows,
+from megatron_logra.weight_sync.sketch_rows import (RowsUpdate, apply_updates, decode_rows,
                                                 encode_rows)
 from megatron_logra.logra.low_rank_apply import apply_bf16_update
 from megatron_logra.logra.projection import projection_block
@@ -98,7 +98,7 @@ def test_bad_payloads_are_refused_before_anything_changes():
 
 
 def test_transport_choice_falls_back_to_full_when_a_delta_cannot_apply():
-    from megatron_logra.bridge.sync import choose_transport
+    from megatron_logra.weight_sync.sync import choose_transport
 
     kw = dict(version=7, engine_version=6, shadow_version=6, anchor_interval=0)
     assert choose_transport("sketch-delta", **kw) == "sketch-delta"

@@ -18,12 +18,12 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 
-from megatron_logra.bridge.engine_memory import (ENGINE_OVERHEAD_BYTES, GIB,
+from megatron_logra.rollout.engine_memory import (ENGINE_OVERHEAD_BYTES, GIB,
                                                  VLLM_DEFAULT_UTILIZATION, GpuMemory,
                                                  engine_bytes, shared_gpu_utilization)
 from megatron_logra.rollout.server_process import server_argv
-from megatron_logra.bridge.placement import plan_placement
-from megatron_logra.bridge.protocol import EngineConfig
+from megatron_logra.rollout.placement import plan_placement
+from megatron_logra.rollout.types import EngineConfig
 from megatron_logra.cli import parse_run_config
 from megatron_logra.runtime import device, versions
 
@@ -221,7 +221,7 @@ def test_pins_admit_exactly_the_versions_the_code_checks(package, checked):
 def test_direct_channel_waits_are_bounded():
     """gloo raises at once when the engine dies; NCCL would wait for ever: every wait of
     the direct channel carries the group's bound."""
-    from megatron_logra.bridge.p2p import wait_all
+    from megatron_logra.weight_sync.p2p import wait_all
 
     seen = []
 

@@ -138,7 +138,7 @@ def test_the_27b_recipes_place_the_engine_where_the_plan_fits(method, variant, f
     the launcher's placement check on a CUDA node of 8 accepts them."""
     from _train_probe import shape_dir
 
-    from megatron_logra.bridge.placement import plan_placement
+    from megatron_logra.rollout.placement import plan_placement
     from megatron_logra.cli import parse_run_config
 
     recipe = REPO / "recipes" / "paper" / f"{method}-27b.yaml"

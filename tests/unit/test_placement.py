@@ -1,9 +1,9 @@
-"""Where the rollout engine runs (``bridge.placement``): each placement's plan on GPU and
+"""Where the rollout engine runs (``rollout.placement``): each placement's plan on GPU and
 CPU nodes, and every refusal naming the flags and the fix."""
 
 import pytest
 
-from megatron_logra.bridge.placement import parse_devices, plan_placement
+from megatron_logra.rollout.placement import parse_devices, plan_placement
 from megatron_logra.cli import parse_run_config
 
 GPUS8 = list(range(8))

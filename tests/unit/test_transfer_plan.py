@@ -1,4 +1,4 @@
-"""The direct channel's plan and payloads (``bridge.transfer_plan``, ``bridge.direct_payload``),
+"""The direct channel's plan and payloads (``weight_sync.transfer_plan``, ``weight_sync.messages``),
 against the HF mapping vLLM's own loader follows.
 
 The reference is what a full push through the rank-0 pipe puts in each vLLM worker: the
@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_logra.bridge.direct import _worker_index
-from megatron_logra.bridge.direct_payload import Outbox, apply_message, check_message
-from megatron_logra.bridge.transfer_plan import shard_blocks, shard_extent, worker_rows
-from megatron_logra.bridge.vllm_layout import vllm_placements
+from megatron_logra.weight_sync.channel import _worker_index
+from megatron_logra.weight_sync.messages import Outbox, apply_message, check_message
+from megatron_logra.weight_sync.transfer_plan import shard_blocks, shard_extent, worker_rows
+from megatron_logra.weight_sync.vllm_layout import vllm_placements
 from megatron_logra.model.hf_mapping import (hf_from_megatron, hf_param_shapes,
                                              megatron_param_names, megatron_param_shape)
 from megatron_logra.model.sharding import shard_of_full

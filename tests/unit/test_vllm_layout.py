@@ -1,4 +1,4 @@
-"""``bridge.vllm_layout`` at TP sizes the CPU integration test cannot start (4, 8).
+"""``weight_sync.vllm_layout`` at TP sizes the CPU integration test cannot start (4, 8).
 
 Two properties, each against an independent count:
 - over all ranks, the primary pieces of every HF tensor cover each element exactly once
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_logra.bridge.vllm_layout import vllm_placements
+from megatron_logra.weight_sync.vllm_layout import vllm_placements
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.hf_mapping import hf_param_shapes
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_logra.bridge.protocol import EngineError, PushRefused
+from megatron_logra.rollout.types import EngineError, PushRefused
 from megatron_logra.cli import parse_run_config
 
 RL = ["--stage", "rl", "--prompts-per-step", "4", "--responses-per-prompt", "4",
@@ -42,7 +42,7 @@ def test_the_entry_point_registers_the_backend_in_a_fresh_vllm_process():
 
 
 def test_the_backends_init_and_update_info_are_checked():
-    from megatron_logra.bridge.p2p import GroupAddress
+    from megatron_logra.weight_sync.p2p import GroupAddress
     from megatron_logra.weight_sync.vllm_backend import MlograInitInfo, MlograUpdateInfo
 
     address = GroupAddress("127.0.0.1", 1234, "p/", 2, 2, "gloo")
@@ -172,7 +172,7 @@ def fake_server():
 
 
 def test_the_client_refuses_what_the_server_cannot_take(fake_server):
-    from megatron_logra.bridge.p2p import GroupAddress
+    from megatron_logra.weight_sync.p2p import GroupAddress
     from megatron_logra.rollout.vllm_server import VllmServer
 
     url = f"http://127.0.0.1:{fake_server.server_port}"

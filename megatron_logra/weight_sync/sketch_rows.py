@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_logra.bridge.vllm_layout import Locate, whole_tensors
+from megatron_logra.weight_sync.vllm_layout import Locate, whole_tensors
 from megatron_logra.logra.low_rank_apply import apply_bf16_update
 from megatron_logra.logra.projection import projection_block
 from megatron_logra.logra.row_adam import apply_low_rank_update
@@ -134,7 +134,7 @@ def apply_updates(arch: ModelArch, weights: dict[str, torch.Tensor],
 @torch.no_grad()
 def apply_updates_into(arch: ModelArch, updates: list[RowsUpdate], locate: Locate) -> set[str]:
     """Apply (checked) ``updates`` in place to the pieces ``locate`` finds: whole HF tensors,
-    or a vLLM worker's fused, sharded parameters (``bridge.vllm_layout``). Each piece gets
+    or a vLLM worker's fused, sharded parameters (``weight_sync.vllm_layout``). Each piece gets
     exactly the trainer's update of its elements: A's columns of the piece, stochastic
     rounding keyed by canonical row and global column. Returns the HF names changed."""
     touched = set()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_logra.bridge.vllm_layout import vllm_placements
+from megatron_logra.weight_sync.vllm_layout import vllm_placements
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.hf_mapping import row_segments
 from megatron_logra.model.sharding import shard_ranges

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_logra.bridge.transfer_plan import Block
+from megatron_logra.weight_sync.transfer_plan import Block
 
 
 @dataclass

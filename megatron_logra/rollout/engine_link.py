@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_logra.bridge.protocol import Completion, EngineConfig, EngineError, SampleRequest
-from megatron_logra.bridge.sync import SyncStats, WeightSync
+from megatron_logra.rollout.types import Completion, EngineConfig, EngineError, SampleRequest
+from megatron_logra.weight_sync.sync import SyncStats, WeightSync
 from megatron_logra.rollout.vllm_server import VllmServer
 from megatron_logra.runtime.device import current_device, release_cached_memory
 from megatron_logra.runtime.progress import Progress

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_logra.bridge.protocol import Transport
+from megatron_logra.rollout.types import Transport
 from megatron_logra.flags import flag_spec
 
 

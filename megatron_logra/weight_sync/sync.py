@@ -1,7 +1,7 @@
 """``WeightSync``: one push per update, over the transport ``--weight-sync`` asks for.
 
 ``WeightSync.push(engine, version)`` picks the transport (the same on every rank: rank
-0 decides and broadcasts), runs it (``transports``) and returns what happened. A delta
+0 decides and broadcasts), runs it (``full_push``, ``sparse_delta_push``, ``sketch_delta_push``, ``lora_adapter_push``) and returns what happened. A delta
 needs the engine at exactly the previous version (and, for sparse, senders whose last
 sent tensors are that version); otherwise, on an anchor update
 (``--weight-sync-anchor-interval``) and after a refusal, the push is full. Every
@@ -17,10 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_logra.bridge.config import WeightSyncConfig
-from megatron_logra.bridge.protocol import Transport
-from megatron_logra.bridge.transports import (FullPush, LoraAdapterPush, PushResult,
-                                              SketchDeltaPush, SparseDeltaPush, TrainerWeights)
+from megatron_logra.weight_sync.config import WeightSyncConfig
+from megatron_logra.rollout.types import Transport
+from megatron_logra.weight_sync.full_push import FullPush
+from megatron_logra.weight_sync.lora_adapter_push import LoraAdapterPush
+from megatron_logra.weight_sync.sketch_delta_push import SketchDeltaPush
+from megatron_logra.weight_sync.sparse_delta_push import SparseDeltaPush
+from megatron_logra.weight_sync.transport import PushResult, TrainerWeights
 
 
 @dataclass

@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_logra.bridge.direct_payload import Outbox
-from megatron_logra.bridge.p2p import (GroupAddress, abort_group, join_group, open_store,
+from megatron_logra.weight_sync.messages import Outbox
+from megatron_logra.weight_sync.p2p import (GroupAddress, abort_group, join_group, open_store,
                                        send_message, wait_all)
-from megatron_logra.bridge.protocol import Delivery, EngineError, PushRefused, Transport
-from megatron_logra.bridge.sketch_delta import RowsUpdate, encode_rows, owned_updates
-from megatron_logra.bridge.transfer_plan import Block, shard_blocks, shard_extent, worker_rows
+from megatron_logra.rollout.types import Delivery, EngineError, PushRefused, Transport
+from megatron_logra.weight_sync.sketch_rows import RowsUpdate, encode_rows, owned_updates
+from megatron_logra.weight_sync.transfer_plan import Block, shard_blocks, shard_extent, worker_rows
 from megatron_logra.model.hf_mapping import hf_param_shapes, megatron_param_names, row_segments
 from megatron_logra.model.provider import canonical_param_names, global_shape, served_parameters
 from megatron_logra.model.sharding import tp_split

@@ -1,0 +1,67 @@
+"""The full push: every parameter, each trainer rank its own pieces, then the version;
+the server's weights checked against the trainer's (vLLM's checksums), what differs
+resent."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megatron_logra.rollout.types import EngineError, Transport
+from megatron_logra.weight_sync.transport import PushResult, TrainerWeights
+
+class FullPush:
+    transport = Transport.FULL
+
+    def __init__(self, weights: TrainerWeights):
+        self.weights = weights
+
+    def push(self, engine, version: int, names: list[str] | None = None) -> PushResult:
+        """Every parameter (or ``names``, canonical) in full, then the version: every rank
+        sends each server worker its pieces (the server must be running)."""
+        w = self.weights
+        done = w.direct.full(engine, version, names, record=w.shadow is not None)
+        if w.shadow is not None and names is None and not (done.failed or done.refused):
+            w.shadow_version = version
+        return PushResult(failed=done.failed or done.refused, sent=done.sent)
+
+    def mismatches(self, engine) -> tuple[list[str] | None, str]:
+        """(HF names whose server copy differs from the trainer's, "") on every rank, or
+        (None, the server's error): vLLM's own checksums against the ones the trainer's
+        weights make (``weight_sync.checksums``)."""
+        return self._checksum_mismatches(engine)
+
+    def _checksum_mismatches(self, engine) -> tuple[list[str] | None, str]:
+        """The HF tensors behind every vLLM parameter whose checksum on the server differs
+        from what the trainer's weights make (``weight_sync.checksums``); the full weights
+        stream to rank 0 a bucket at a time (a TP gather per parameter, as a full push
+        over the pipe), so this costs a full push's gathers without its sends."""
+        from megatron_logra.weight_sync.checksums import ChecksumBuilder
+
+        w = self.weights
+        builder = ChecksumBuilder(w.arch, w.direct.engine_tp) if w.rank == 0 else None
+        for bucket in w.buckets():  # rank 0; the others send inside
+            for name, tensor in bucket:
+                builder.add(name, tensor)
+        bad, failed = [[]], ""
+        if w.rank == 0:
+            try:
+                bad = [builder.mismatched(engine.checksums())]
+            except EngineError as exc:
+                bad, failed = [None], str(exc)
+        dist.broadcast_object_list(bad, src=0)
+        return bad[0], failed
+
+    def resend_mismatches(self, engine, version: int) -> tuple[PushResult, int]:
+        """Compare the server's weights with the trainer's (checksums) and resend the
+        mismatching tensors in full: (result, number of mismatching tensors)."""
+        w = self.weights
+        bad, failed = self.mismatches(engine)
+        if bad is None:
+            return PushResult(failed=failed or "checksum check failed"), 0
+        if not bad:
+            return PushResult(), 0
+        if w.rank == 0:
+            print(f"weight sync: checksum mismatch in {len(bad)} tensors "
+                  f"({bad[:3]}...); resending them in full", flush=True)
+        names = sorted({w.hf_source[h] for h in bad})
+        return self.push(engine, version, names=names), len(bad)
