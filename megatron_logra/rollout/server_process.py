@@ -13,9 +13,9 @@ launched as a child process of trainer rank 0 on a free port:
   never splits a prompt, and at TP1 the engine in the server's own process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: it starts in ~15 s instead of ~30 s);
 - it dies with trainer rank 0 (``PR_SET_PDEATHSIG``, kept across exec); ``stop`` and
-  ``kill`` end its main process, give its workers and resource tracker time to follow
-  (the tracker unlinks the shared memory they used), then kill what is left of its
-  process group;
+  ``kill`` end its main process, then what is left of its process group but
+  multiprocessing's resource tracker, which unlinks the semaphores and shared memory
+  they registered, and the /dev/shm files its processes had mapped;
 - ``MLOGRA_ENGINE_START`` numbers the servers this run started (fault injection,
   ``runtime.faults``); its output goes to ``OUTPUT_DIR/engine.log``.
 """
@@ -91,10 +91,12 @@ class LocalServer:
         self.cfg, self.log_path, self.cuda = cfg, Path(log_path), cuda
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self.shm_at_start: set[Path] = set()  # what it had mapped once up (``note_shm``)
 
     def start(self) -> str:
         """Launch a fresh server; returns its URL (it may still be starting up)."""
         self.stop()
+        self.shm_at_start = set()
         self.starts += 1
         port = free_port()
         cores = self.cfg.cpu_cores
@@ -127,19 +129,23 @@ class LocalServer:
 
     def kill(self) -> None:
         """The server dies at once, as in a crash (tests, fault injection): its main
-        process is SIGKILLed; its workers and multiprocessing's resource tracker follow by
-        themselves (the tracker unlinks the shared memory they used), then anything left
-        of its process group is killed."""
-        if self.proc is not None and self.proc.poll() is None:
+        process is SIGKILLed, then whatever is left of its process group, and the shared
+        memory its processes had mapped is unlinked."""
+        if self.proc is None:
+            return
+        shm = self._mapped_shm() | self.shm_at_start
+        if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(30)
         self._reap_group()
+        _unlink(shm)
 
     def stop(self) -> None:
         """End the server (SIGTERM: vLLM shuts its workers down) and everything it
         started (its process group)."""
         if self.proc is None:
             return
+        shm = self._mapped_shm() | self.shm_at_start
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -148,7 +154,92 @@ class LocalServer:
                 self.proc.kill()
                 self.proc.wait(30)
         self._reap_group()
+        _unlink(shm)
         self.proc = None
+
+    def note_shm(self) -> None:
+        """Record the shared memory the server maps once it is up: if one of its processes
+        dies first (a worker crash), its files are unlinked at ``stop`` all the same."""
+        self.shm_at_start = self._mapped_shm()
+
+    def _group_pids(self) -> list[int]:
+        """The live processes of the server's process group (its workers included)."""
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == self.proc.pid:  # pgrp (the server leads its own group)
+                pids.append(int(stat.parent.name))
+        return pids
+
+    def _mapped_shm(self) -> set[Path]:
+        """The /dev/shm files the server's processes have mapped (vLLM's shared-memory
+        queues, multiprocessing's semaphores): a killed server cannot unlink them."""
+        out = set()
+        for pid in self._group_pids():
+            try:
+                maps = Path(f"/proc/{pid}/maps").read_text()
+            except OSError:
+                continue
+            out.update(Path(line.split(None, 5)[5].split(" (deleted)")[0])
+                       for line in maps.splitlines()
+                       if len(line.split(None, 5)) == 6 and "/dev/shm/" in line)
+        return out
+
+    def _reap_group(self, grace_s: float = 15.0) -> None:
+        """Kill what is left of the server's process group except multiprocessing's
+        resource tracker, which then sees its last user gone, unlinks the semaphores and
+        shared memory they registered, and exits (at most ``grace_s``; killed after)."""
+        if self.proc is None:
+            return
+        for pid in self._group_pids():
+            if not _is_resource_tracker(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if not self._group_pids():
+                return
+            time.sleep(0.2)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def note_shm(self) -> None:
+        """Record the shared memory the server maps once it is up: if one of its processes
+        dies first (a worker crash), its files are unlinked at ``stop`` all the same."""
+        self.shm_at_start = self._mapped_shm()
+
+    def _group_pids(self) -> list[int]:
+        """The live processes of the server's process group (its workers included)."""
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == self.proc.pid:  # pgrp (the server leads its own group)
+                pids.append(int(stat.parent.name))
+        return pids
+
+    def _mapped_shm(self) -> set[Path]:
+        """The /dev/shm files the server's processes have mapped (vLLM's shared-memory
+        queues, multiprocessing's semaphores): a killed server cannot unlink them."""
+        out = set()
+        for pid in self._group_pids():
+            try:
+                maps = Path(f"/proc/{pid}/maps").read_text()
+            except OSError:
+                continue
+            out.update(Path(line.split(None, 5)[5].split(" (deleted)")[0])
+                       for line in maps.splitlines()
+                       if len(line.split(None, 5)) == 6 and "/dev/shm/" in line)
+        return out
 
     def _reap_group(self, grace_s: float = 15.0) -> None:
         """Wait (at most ``grace_s``) for the server's process group to empty, then kill
@@ -166,3 +257,19 @@ class LocalServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _unlink(paths: set[Path]) -> None:
+    """Unlink the shared-memory files a server that is gone left behind."""
+    for path in paths:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

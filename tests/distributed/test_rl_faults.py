@@ -56,15 +56,15 @@ def _compared(record: dict) -> dict:
 
 
 def test_every_fault_happened_and_was_recovered_from(jobs):
-    log = jobs["faulted"]
+    # the trainer's log, and the server's (its workers die inside a push)
+    log = jobs["faulted"] + (jobs["tmp"] / "faulted" / "engine.log").read_text()
     for start, point, update in ((1, "engine-generate", 1), (2, "engine-delta-push", 2),
                                  (3, "engine-full-push", 3)):
         assert f"[fault] the rollout engine (start {start}) dies at {point} of update " \
                f"{update}" in log
     assert "[fault] rank 1 dies at optimizer of update 4" in log
-    assert "rollout failed (engine process died during generate" in log
-    assert "weight push failed (engine process died during sketch_delta" in log
-    assert "weight push failed (engine process died during load" in log
+    assert "rollout failed (vLLM server" in log
+    assert log.count("weight push failed (") >= 2  # the delta push and the full push
     assert "iter_0000002 at step 2" in log  # resumed on its own from the newest checkpoint
 
 
