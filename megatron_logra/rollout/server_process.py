@@ -13,9 +13,8 @@ launched as a child process of trainer rank 0 on a free port:
   never splits a prompt, and at TP1 the engine in the server's own process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: it starts in ~15 s instead of ~30 s);
 - it dies with trainer rank 0 (``PR_SET_PDEATHSIG``, kept across exec); ``stop`` and
-  ``kill`` end its main process, then what is left of its process group but
-  multiprocessing's resource tracker, which unlinks the semaphores and shared memory
-  they registered, and the /dev/shm files its processes had mapped;
+  ``kill`` end its main process, then what is left of its process group, and unlink
+  the /dev/shm files its processes had mapped (found by inode);
 - ``MLOGRA_ENGINE_START`` numbers the servers this run started (fault injection,
   ``runtime.faults``); its output goes to ``OUTPUT_DIR/engine.log``.
 """
@@ -37,6 +36,7 @@ from megatron_logra.runtime.device import free_port
 from megatron_logra.weight_sync.cpu_live_weights import LIVE_WEIGHTS_ENV
 
 ENGINE_START_ENV = "MLOGRA_ENGINE_START"
+SHM = Path("/dev/shm")
 
 
 def server_argv(cfg: EngineConfig, port: int, *, cuda: bool) -> list[str]:
@@ -138,7 +138,7 @@ class LocalServer:
             self.proc.kill()
             self.proc.wait(30)
         self._reap_group()
-        _unlink(shm)
+        _unlink_inodes(shm)
 
     def stop(self) -> None:
         """End the server (SIGTERM: vLLM shuts its workers down) and everything it
@@ -154,7 +154,7 @@ class LocalServer:
                 self.proc.kill()
                 self.proc.wait(30)
         self._reap_group()
-        _unlink(shm)
+        _unlink_inodes(shm)
         self.proc = None
 
     def note_shm(self) -> None:
@@ -170,106 +170,49 @@ class LocalServer:
                 fields = stat.read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[2]) == self.proc.pid:  # pgrp (the server leads its own group)
+            if int(fields[2]) == self.proc.pid and fields[0] != "Z":  # its group, alive
                 pids.append(int(stat.parent.name))
         return pids
 
-    def _mapped_shm(self) -> set[Path]:
-        """The /dev/shm files the server's processes have mapped (vLLM's shared-memory
-        queues, multiprocessing's semaphores): a killed server cannot unlink them."""
+    def _mapped_shm(self) -> set[int]:
+        """The inodes of the /dev/shm files the server's processes have mapped (vLLM's
+        shared-memory queues, multiprocessing's semaphores): a killed server cannot
+        unlink them. Inodes, not names: glibc creates a semaphore under a temporary name,
+        maps it, links it as ``sem.mp-*`` and unlinks the temporary name, so the maps
+        name a file that is gone while the semaphore's file stays."""
         out = set()
         for pid in self._group_pids():
             try:
                 maps = Path(f"/proc/{pid}/maps").read_text()
             except OSError:
                 continue
-            out.update(Path(line.split(None, 5)[5].split(" (deleted)")[0])
-                       for line in maps.splitlines()
-                       if len(line.split(None, 5)) == 6 and "/dev/shm/" in line)
+            for line in maps.splitlines():
+                fields = line.split(None, 5)
+                if len(fields) == 6 and fields[5].startswith(str(SHM) + "/"):
+                    out.add(int(fields[4]))
         return out
 
     def _reap_group(self, grace_s: float = 15.0) -> None:
-        """Kill what is left of the server's process group except multiprocessing's
-        resource tracker, which then sees its last user gone, unlinks the semaphores and
-        shared memory they registered, and exits (at most ``grace_s``; killed after)."""
+        """Kill what is left of the server's process group (vLLM's engine core outlives a
+        killed API server) and wait, at most ``grace_s``, until it is gone."""
         if self.proc is None:
             return
-        for pid in self._group_pids():
-            if not _is_resource_tracker(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            if not self._group_pids():
-                return
-            time.sleep(0.2)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
-            pass
-
-    def note_shm(self) -> None:
-        """Record the shared memory the server maps once it is up: if one of its processes
-        dies first (a worker crash), its files are unlinked at ``stop`` all the same."""
-        self.shm_at_start = self._mapped_shm()
-
-    def _group_pids(self) -> list[int]:
-        """The live processes of the server's process group (its workers included)."""
-        pids = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == self.proc.pid:  # pgrp (the server leads its own group)
-                pids.append(int(stat.parent.name))
-        return pids
-
-    def _mapped_shm(self) -> set[Path]:
-        """The /dev/shm files the server's processes have mapped (vLLM's shared-memory
-        queues, multiprocessing's semaphores): a killed server cannot unlink them."""
-        out = set()
-        for pid in self._group_pids():
-            try:
-                maps = Path(f"/proc/{pid}/maps").read_text()
-            except OSError:
-                continue
-            out.update(Path(line.split(None, 5)[5].split(" (deleted)")[0])
-                       for line in maps.splitlines()
-                       if len(line.split(None, 5)) == 6 and "/dev/shm/" in line)
-        return out
-
-    def _reap_group(self, grace_s: float = 15.0) -> None:
-        """Wait (at most ``grace_s``) for the server's process group to empty, then kill
-        what is left of it."""
-        if self.proc is None:
             return
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(self.proc.pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        while self._group_pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
-def _unlink(paths: set[Path]) -> None:
-    """Unlink the shared-memory files a server that is gone left behind."""
-    for path in paths:
+def _unlink_inodes(inodes: set[int]) -> None:
+    """Unlink the /dev/shm files with these inodes (what a server that is gone left)."""
+    if not inodes:
+        return
+    for entry in os.scandir(SHM):
         try:
-            path.unlink()
+            if entry.inode() in inodes:
+                os.unlink(entry.path)
         except FileNotFoundError:
             pass
-
-
-def _is_resource_tracker(pid: int) -> bool:
-    try:
-        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False

@@ -63,19 +63,21 @@ class DirectChannel:
     """The trainer's side of the direct channel (collective: every rank calls every method)."""
 
     def __init__(self, model_chunks: list, arch, plan, dtype: torch.dtype, engine_tp: int,
-                 bucket_bytes: int, backend: str | None = None):
+                 bucket_bytes: int, backend: str | None = None, merged: bool = True):
         """``plan``: ``full_weights.PushPlan`` (who sends each parameter's stage);
         ``engine_tp``: the engine's TP size (its worker count); ``backend``: the group's,
         None for the device's (NCCL on CUDA, gloo on CPU). gloo on CUDA stages every
         message through host memory: what an engine on the trainer's own GPUs needs, as
-        NCCL refuses two members of one communicator on one GPU."""
+        NCCL refuses two members of one communicator on one GPU. ``merged``: LoRA's
+        adapters merged into the weights sent (an engine serving the adapter on its own
+        takes the base weights: False)."""
         self.arch, self.dtype, self.engine_tp = arch, dtype, engine_tp
         self.bucket_bytes = bucket_bytes
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = current_device()
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self.message_device = self.device if self.backend == "nccl" else torch.device("cpu")
-        self.shards = self._my_shards(model_chunks, plan)
+        self.shards = self._my_shards(model_chunks, plan, merged)
         self.shadow: dict[str, torch.Tensor] = {}  # sparse deltas: what each shard last sent
         self.group = self.store = None
         self.address: GroupAddress | None = None  # rank 0: its store's (prefix set per join)
@@ -84,9 +86,9 @@ class DirectChannel:
         self.sent_here = 0  # bytes this rank has sent (benchmarks)
         self.hf_shapes = hf_param_shapes(arch)
 
-    def _my_shards(self, model_chunks, plan) -> dict[str, _Shard]:
+    def _my_shards(self, model_chunks, plan, merged: bool) -> dict[str, _Shard]:
         """The parameters this rank sends, with the blocks of its shard (LoRA: the merged
-        weights, the value the forward uses)."""
+        weights, the value the forward uses, or with ``merged=False`` the base weights)."""
         canonical = canonical_param_names(model_chunks[0], arch := self.arch)
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -103,7 +105,7 @@ class DirectChannel:
                 continue  # replicated over TP: TP rank 0 sends it
             extent = shard_extent(global_shape(param), split, tp_rank, tp_size)
             blocks = tuple(shard_blocks(arch, name, extent, self.engine_tp))
-            out[name] = _Shard(value, blocks)
+            out[name] = _Shard(value if merged else param.detach, blocks)
         return out
 
     # --- the group ---------------------------------------------------------------------------

@@ -46,7 +46,7 @@ class TrainerWeights:
         self.rank = dist.get_rank()
         self.plan = plan_push(model_chunks, arch)
         self.direct = DirectChannel(model_chunks, arch, self.plan, dtype, engine_tp,
-                                    bucket_bytes, group_backend)
+                                    bucket_bytes, group_backend, merged=merged)
         self.hf_source = hf_sources(arch)  # HF tensor name -> canonical megatron param
         # sparse-delta: what each sender last sent (engine dtype), and its version
         self.shadow: dict[str, torch.Tensor] | None = None
