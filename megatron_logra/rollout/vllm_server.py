@@ -39,6 +39,7 @@ from megatron_logra.bridge.protocol import Completion, EngineError, PushRefused,
 
 BACKEND = "mlogra"  # weight_sync.vllm_plugin.BACKEND (not imported: that module needs vLLM)
 UNVERSIONED = -1  # vLLM's weight version is "default" until the first finished push
+HEALTH_POLL_S = 2.0  # how often a long call checks that the server is still healthy
 
 
 class VllmServer:
@@ -103,7 +104,12 @@ class VllmServer:
         if r.status_code >= 400:
             raise EngineError(f"vLLM server {self.url}: {path}: HTTP {r.status_code}: "
                               f"{r.text[:500]}")
-        return r.json() if r.content else {}
+        if not r.content:
+            return {}
+        try:
+            return r.json()
+        except ValueError:  # some routes answer plain text
+            return {"text": r.text}
 
     def _get(self, path: str, **kwargs):
         return self._request("GET", path, **kwargs)
@@ -111,16 +117,20 @@ class VllmServer:
     def _post(self, path: str, body: dict | None = None, **kwargs):
         return self._request("POST", path, json=body, **kwargs)
 
-    def _wait_healthy(self, timeout_s: float) -> None:
+    def _healthy(self) -> bool:
+        """``/health`` answers 200 (vLLM answers 503 once its engine core died)."""
         import requests
 
+        try:
+            return self.http.get(f"{self.url}/health", timeout=10).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
-            try:
-                if self.http.get(f"{self.url}/health", timeout=10).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
+            if self._healthy():
+                return
             died = self.owner.exit_note() if self.owner is not None else ""
             if died:
                 raise EngineError(f"vLLM server start-up: {died}")
@@ -161,7 +171,13 @@ class VllmServer:
         call, self._call = self._call, None
         if call is None:
             raise EngineError("vLLM server: end_call without a call in flight")
-        call.join(self.timeout)
+        deadline = time.monotonic() + self.timeout
+        while call.is_alive() and time.monotonic() < deadline:
+            call.join(HEALTH_POLL_S)
+            if call.is_alive() and not self._healthy():
+                # vLLM's API server outlives a dead engine core (its RPCs never answer)
+                raise EngineError(f"vLLM server {self.url} became unhealthy during the call"
+                                  + (f" ({self.owner.exit_note()})" if self.owner else ""))
         if call.is_alive() or not self._call_result:
             raise EngineError(f"vLLM server: no answer in {self.timeout} s")
         status, value = self._call_result[0]
