@@ -202,7 +202,7 @@ class DirectChannel:
         dist.broadcast_object_list(status, src=0)
         if status[0] or status[1]:
             return Delivery(refused=status[0], failed=status[1])
-        failed, received, before = "", None, self.sent_here
+        failed, before = "", self.sent_here
         for outboxes in rounds:
             try:
                 self._send(outboxes)
@@ -211,7 +211,7 @@ class DirectChannel:
                 break
         if self.rank == 0:
             try:
-                received = engine.end_call()
+                engine.end_call()
             except EngineError as exc:
                 failed = str(exc)
         failed = _agree(failed)
@@ -225,8 +225,8 @@ class DirectChannel:
             abort_group(self.group)
             self.group, self.joined = None, None
         sent = torch.tensor([self.sent_here - before], dtype=torch.int64)
-        dist.all_reduce(sent)  # what every rank sent (a vLLM server reports no byte count)
-        return Delivery(failed=failed, sent=int(sent) if received is None else received)
+        dist.all_reduce(sent)  # what every rank sent (the server reports no byte count)
+        return Delivery(failed=failed, sent=int(sent))
 
     def _send(self, outboxes: list[Outbox]) -> None:
         works = []

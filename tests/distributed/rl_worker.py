@@ -88,6 +88,11 @@ def main() -> None:
     if dist.get_rank() == 0:
         result["engine_cores"] = sorted(os.sched_getaffinity(run.engine.pid))
     result["optimizer_steps"] = getattr(run.objs.optimizer, "steps", None)
+    close_and_write(run, result, out_path)
+
+
+def close_and_write(run, result: dict, out_path: str) -> None:
+    """Close the run, rank 0 writes ``result`` to ``out_path``, then every rank waits."""
     run.close()
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:

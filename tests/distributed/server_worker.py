@@ -14,7 +14,6 @@ counter (``/metrics``) against the tokens the trainer received.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from dataclasses import replace
@@ -22,7 +21,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from rl_worker import engine_logprobs, trainer_logprobs
+from rl_worker import close_and_write, engine_logprobs, trainer_logprobs
 
 
 def generated_tokens(url: str) -> float:
@@ -82,11 +81,7 @@ def main() -> None:
     run.push_weights("full")
     check("forced full")
     result["moved"] = float((trainer_logprobs(run, rows) - first).abs().max())
-    run.close()
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
+    close_and_write(run, result, out_path)
 
 
 if __name__ == "__main__":
