@@ -113,7 +113,7 @@ class RLConfig:
     """http://HOST:PORT of a vLLM server to generate the rollouts (started by you, as
     docs/usage.md shows: VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config
     '{"backend": "mlogra"}'); the trainer pushes its weights into it through vLLM's RL
-    weight-transfer routes. Needs --weight-sync-channel direct."""
+    weight-transfer routes. Empty: trainer rank 0 starts one."""
     sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     kl: KLControlConfig = field(default_factory=KLControlConfig)
 

@@ -1,12 +1,9 @@
-"""The direct weight channel (``--weight-sync-channel direct``): every trainer rank sends
-each vLLM worker only its own pieces, over a torch.distributed group between them.
+"""The weight channel into vLLM's server: every trainer rank sends each server worker
+only its own pieces, over a torch.distributed group between them (gloo on CPU, NCCL on
+GPUs; the ``mlogra`` weight-transfer backend, ``vllm_backend``, is the workers' side).
 
-The rank-0 pipe (the default) funnels every push through trainer rank 0: TP gathers per
-parameter, point-to-point relays to rank 0, the pipe to the engine process, and every
-vLLM worker receives the whole payload and keeps its shard. Here instead:
-
-- the group (``p2p``) holds every trainer rank and every engine TP rank; a restarted
-  engine joins a fresh one (the trainer side notices at the next push);
+- the group (``p2p``) holds every trainer rank and every server TP rank; a restarted
+  server joins a fresh one (the trainer side notices at the next push);
 - a full push: each rank's own TP shard of each parameter it sends (data-parallel rank
   0; a parameter with no TP split: TP rank 0; a tied embedding: the first stage) is cut
   into ``transfer_plan.Block``s, one message per worker per bucket of parameters: no TP
@@ -15,13 +12,13 @@ vLLM worker receives the whole payload and keeps its shard. Here instead:
   sent (a shard-sized shadow) and sends each worker the changed elements it holds, as
   flat indices into the worker's own parameter (a block that changed nearly everywhere
   goes dense);
-- a sketch delta: each rank's own rows of D (``sketch_delta.owned_updates``), each worker
-  receiving the rows it holds; the unsketched tensors that train go as blocks.
+- a sketch delta: each rank's own rows of D (``sketch_rows``), each worker receiving the
+  rows it holds; the unsketched tensors that train go as blocks.
 
-Rank 0 asks the engine first (``expect``: a delta on the wrong base version is refused
-before anything is sent, and every rank hears so), then the engine's workers receive
-round by round while every trainer rank sends; versions, commits, fingerprints and the
-refusal rules are those of the pipe.
+Rank 0 opens the update on the server first (``/start_weight_update``: a delta on a base
+version the server does not serve is refused before anything is sent, and every rank
+hears so), then the server's workers receive round by round while every trainer rank
+sends; vLLM's ``/finish_weight_update`` commits the version.
 """
 
 from __future__ import annotations

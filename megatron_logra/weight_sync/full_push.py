@@ -33,8 +33,8 @@ class FullPush:
     def _checksum_mismatches(self, engine) -> tuple[list[str] | None, str]:
         """The HF tensors behind every vLLM parameter whose checksum on the server differs
         from what the trainer's weights make (``weight_sync.checksums``); the full weights
-        stream to rank 0 a bucket at a time (a TP gather per parameter, as a full push
-        over the pipe), so this costs a full push's gathers without its sends."""
+        stream to rank 0 a bucket at a time (a TP gather per parameter), so this costs
+        a full push's gathers as well as vLLM's hashing."""
         from megatron_logra.weight_sync.checksums import ChecksumBuilder
 
         w = self.weights

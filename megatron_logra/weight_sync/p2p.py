@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class GroupAddress:
-    """Everything a member needs to join (picklable: it crosses the engine pipe)."""
+    """Everything a member needs to join (JSON-able: it travels in vLLM's init info)."""
 
     host: str  # where trainer rank 0's store listens
     port: int
