@@ -17,9 +17,11 @@ def add_dtype_flag(parser: argparse.ArgumentParser, default: str) -> None:
 def run_tool(body: Callable[[], None]) -> int:
     """Run ``body``; bad input (any ValueError/FileNotFoundError raised while validating or
     converting) becomes 'error: ...' on stderr and exit status 2, nothing half-written."""
+    from megatron_logra.runtime.lazy_wandb import keep_out_of_megatron
     from megatron_logra.runtime.quiet import quiet_library_warnings
 
     quiet_library_warnings()
+    keep_out_of_megatron()  # before megatron-core is first imported
     try:
         body()
     except (ValueError, FileNotFoundError) as exc:

@@ -18,9 +18,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_logra.runtime.lazy_wandb import keep_out_of_megatron
     from megatron_logra.runtime.quiet import quiet_library_warnings
 
     quiet_library_warnings()
+    keep_out_of_megatron()  # before megatron-core is first imported
     from megatron_logra.cli import ConfigError, parse_run_config
 
     try:

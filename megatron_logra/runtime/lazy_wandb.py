@@ -3,8 +3,9 @@
 megatron-core imports wandb at import time whenever it is installed
 (``megatron/core/timers.py``, ``inference/contexts/dynamic_context.py``) to log its own
 timers, which this project never asks it to; that import costs ~0.5 s in every process
-(every torchrun rank, every engine). ``keep_out_of_megatron()``, run when
-``megatron_logra`` is imported, installs an import hook that answers "not installed" to
+(every torchrun rank). ``keep_out_of_megatron()``, called by the command-line entry
+points (``launch/pretrain_rl.py``, ``checkpoints_tools``) before megatron-core is first
+imported (importing ``megatron_logra`` alone installs nothing), installs an import hook that answers "not installed" to
 an ``import wandb`` made by megatron's modules only (megatron then keeps ``wandb =
 None``); every other import of wandb (``--wandb-project``, a user's own code) is untouched.
 """
@@ -29,5 +30,6 @@ class _NoWandbForMegatron(importlib.abc.MetaPathFinder):
 
 
 def keep_out_of_megatron() -> None:
+    """Install the hook (once per process)."""
     if not any(isinstance(f, _NoWandbForMegatron) for f in sys.meta_path):
         sys.meta_path.insert(0, _NoWandbForMegatron())

@@ -90,12 +90,18 @@ def test_flags_and_refusals(tmp_path):
 
 
 def test_megatron_does_not_import_wandb():
-    """megatron-core imports wandb (0.5 s) at import when installed; megatron_logra keeps
-    it out of megatron's imports only: the user's own ``import wandb`` still works."""
+    """megatron-core imports wandb (0.5 s) at import when installed; the entry points keep
+    it out of megatron's imports only: the user's own ``import wandb`` still works. Importing
+    the package alone installs no hook."""
     import subprocess
     import sys
 
-    code = ("import sys, megatron_logra.training.sft, megatron.core.timers as t\n"
+    code = ("import sys, megatron_logra\n"
+            "from megatron_logra.runtime.lazy_wandb import _NoWandbForMegatron, "
+            "keep_out_of_megatron\n"
+            "assert not any(isinstance(f, _NoWandbForMegatron) for f in sys.meta_path)\n"
+            "keep_out_of_megatron()\n"  # what the entry points do first
+            "import megatron_logra.training.sft, megatron.core.timers as t\n"
             "assert 'wandb' not in sys.modules and t.wandb is None\n"
             "import wandb\n"
             "assert wandb.__version__ == '0.31.0'\n")
