@@ -114,9 +114,41 @@ def launch_nodes(tmp: Path, name: str, argv: list[str], *, nodes: int = 1,
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    shm_after = set(os.listdir(SHM)) if SHM.is_dir() else set()
     return Launch(returncode, "".join(path.read_text() for path in logs),
-                  sorted(left.values()), sorted(shm_after - shm_before), seconds)
+                  sorted(left.values()), _leaked_shm(shm_before), seconds)
+
+
+def _leaked_shm(before: set[str]) -> list[str]:
+    """The /dev/shm entries that appeared during the job and that no live process maps or
+    holds open: what the job left (entries of other jobs on the machine are in use)."""
+    if not SHM.is_dir():
+        return []
+    held = _held_shm_inodes()
+    leaked = []
+    for name in set(os.listdir(SHM)) - before:
+        try:
+            if os.stat(SHM / name).st_ino not in held:
+                leaked.append(name)
+        except FileNotFoundError:
+            pass
+    return sorted(leaked)
+
+
+def _held_shm_inodes() -> set[int]:
+    """Inodes of the /dev/shm files some live process maps or has open."""
+    held = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            for line in (proc / "maps").read_text().splitlines():
+                fields = line.split(None, 5)
+                if len(fields) == 6 and fields[5].startswith(str(SHM) + "/"):
+                    held.add(int(fields[4]))
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd).startswith(str(SHM) + "/"):
+                    held.add(os.stat(fd).st_ino)
+        except OSError:
+            continue
+    return held
 
 
 def ok(run: Launch) -> str:
