@@ -4,17 +4,18 @@
     torchrun --nproc-per-node N benchmarks/_train_probe.py JSON_SPEC   (a TP/PP/DP layout)
     python benchmarks/_train_probe.py --serve JSON_SPEC    step on each "step" line of stdin
 
-The spec names a model shape (random init; only its config is needed), a variant
-(dense Adam with megatron's distributed optimizer, LoGRA in a precision mode, or LoRA),
-the layout (``tp``, ``pp``; DP is what the process count leaves), the device and the
-batch. Each rank counts its model-state bytes by enumerating every tensor the model,
-DDP and the optimizers hold (storages counted once), then runs train steps on random
-tokens and reports step times and peak memory: CUDA max allocated over the steps; on
-CPU the same quantity counted by hand, the bytes of Python-held tensors before the last
-step plus the peak of the live tensor storage allocated inside it
-(``runtime.live_bytes``; that step runs untimed). The CPU peak RSS over imports is
-reported beside it (allocator caching and freed-but-resident heap included, so it is no
-check of an analytic model). Rank 0 prints every rank's figures.
+The spec names a model shape (``memory.shapes``; random init, only its config is
+needed), a variant (dense Adam with megatron's distributed optimizer, LoGRA in a
+precision mode, or LoRA), the layout (``tp``, ``pp``; DP is what the process count
+leaves), the device and the batch. Each rank counts its model-state bytes by enumerating
+every tensor the model, DDP and the optimizers hold (storages counted once), then runs
+train steps on random tokens (``testing.batches``) and reports step times and peak
+memory: CUDA max allocated over the steps; on CPU the same quantity counted by hand, the
+bytes of Python-held tensors before the last step plus the peak of the live tensor
+storage allocated inside it (``runtime.live_bytes``; that step runs untimed). The CPU
+peak RSS over imports is reported beside it (allocator caching and freed-but-resident
+heap included, so it is no check of an analytic model). Rank 0 prints every rank's
+figures.
 
 ``--serve`` (step_time.py) builds once and then times one step per request, with the
 step's phases (``runtime.phase_times``), so two variants' processes can be stepped in
@@ -27,26 +28,13 @@ import json
 import os
 import resource
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from megatron_logra.memory.shapes import shape_dir
 
-SHAPES = {  # HF config fields of the benchmark shapes (random-init)
-    "tiny": dict(family="llama", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                 intermediate_size=384, vocab_size=384),
-    "small": dict(family="llama", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
-                  intermediate_size=768, vocab_size=4096),  # tests: still quick, less tiny
-    "smollm2-135m": dict(family="llama", hidden_size=576, num_layers=30, num_heads=9,
-                         num_kv_heads=3, intermediate_size=1536, vocab_size=49152),
-    "qwen2.5-1.5b": dict(family="qwen2", hidden_size=1536, num_layers=28, num_heads=12,
-                         num_kv_heads=2, intermediate_size=8960, vocab_size=151936),
-    "qwen2.5-7b": dict(family="qwen2", hidden_size=3584, num_layers=28, num_heads=28,
-                       num_kv_heads=4, intermediate_size=18944, vocab_size=152064,
-                       tie_word_embeddings=False),
-}
+REPO = Path(__file__).resolve().parents[1]
+
 VARIANTS = {  # name -> (optimizer, LoGRA master weights, PEFT)
     "dense_adam": ("adam", None, "none"),
     "logra_fp32_master": ("logra", "fp32", "none"),
@@ -66,28 +54,6 @@ def add_setup_args(p, steps: int, steps_help: str) -> None:
                    help="LoGRA's sketched weights (--logra-targets; the paper's four)")
     p.add_argument("--untargeted", choices=("frozen", "adam"), default="frozen",
                    help="LoGRA's unsketched parameters (--logra-untargeted; the paper freezes)")
-
-
-def hf_config(shape: str) -> dict:
-    """The HF config.json of a benchmark shape: ``SHAPES`` above, or benchmarks/configs/."""
-    path = Path(__file__).resolve().parent / "configs" / f"{shape}.json"
-    if path.is_file():
-        return json.loads(path.read_text())
-    from megatron_logra.model.tiny_assets import tiny_hf_config
-
-    kw = dict(SHAPES[shape])
-    return tiny_hf_config(kw.pop("family"), **kw)
-
-
-def shape_dir(shape: str) -> str:
-    """A model folder holding only the shape's config.json (one per shape and user under
-    the temp dir, rewritten atomically, so repeated probes leave no new folders)."""
-    out = Path(tempfile.gettempdir()) / f"megatron_logra-shape-{shape}-{os.getuid()}"
-    out.mkdir(exist_ok=True)
-    tmp = out / f"config.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(hf_config(shape)))
-    tmp.replace(out / "config.json")
-    return str(out)
 
 
 def _storages(tensors) -> dict[int, int]:
@@ -178,18 +144,11 @@ class Probe:
             torch.cuda.reset_peak_memory_stats()
 
     def _batch(self) -> list[dict]:
-        import torch
+        from megatron_logra.testing.batches import random_microbatches
 
-        from megatron_logra.model.logits import causal_inputs
-
-        mbs, seq = self.spec["micro_batch_size"], self.spec["seq_length"]
-        batch = []
-        for _ in range(self.spec["microbatches"]):
-            tokens = torch.randint(0, self.arch.vocab_size, (mbs, seq), generator=self.generator)
-            mb = causal_inputs(tokens)
-            mb.update(labels=torch.roll(tokens, -1, 1), loss_mask=torch.ones(mbs, seq))
-            batch.append(mb)
-        return batch
+        return random_microbatches(self.arch.vocab_size, count=self.spec["microbatches"],
+                                   batch=self.spec["micro_batch_size"],
+                                   seq=self.spec["seq_length"], seed=self.generator)
 
     def _train_step(self, batch) -> None:
         from megatron_logra.training.step import train_step

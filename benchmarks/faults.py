@@ -3,13 +3,13 @@
     .venv/bin/python benchmarks/faults.py [--only CASE,...] [--out DIR]
 
 Every case is one torchrun job (DP2 on gloo, the tiny model, a real vLLM engine, with
-the RL settings of ``tests/distributed/test_rl_faults.py``: LoGRA, sketch-delta sync,
-bf16, predicted-KL control, 4 updates, a checkpoint every 2) under ``--max-restarts 1``,
-meeting one fault (``runtime.faults``, or a checkpoint damaged before the job starts;
-the engine is vLLM's own server, which trainer rank 0 starts; an engine death is that
-server's process dying),
-with a tag in its environment that every process it starts inherits
-(``tests/distributed/fault_launch.py``). An uninterrupted job is the reference. Per case:
+the RL settings of ``tests/distributed/test_rl_faults.py``, ``testing.fault_launch.RL_FLAGS``:
+LoGRA, sketch-delta sync, bf16, predicted-KL control, 4 updates, a checkpoint every 2)
+under ``--max-restarts 1``, meeting one fault (``runtime.faults``, or a checkpoint damaged
+before the job starts; the engine is vLLM's own server, which trainer rank 0 starts; an
+engine death is that server's process dying), with a tag in its environment that every
+process it starts inherits (``megatron_logra/testing/fault_launch.py``). An
+uninterrupted job is the reference. Per case:
 
 - ``completed``: the job exited 0 with its final checkpoint;
 - ``updates_lost``: updates done and then thrown away (done before the crash, after the
@@ -39,12 +39,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO / "tests" / "distributed"))
-from _results import save  # noqa: E402
-from fault_launch import Launch, checkpoint_model, launch, records  # noqa: E402
-from test_rl_faults import RL, UNCOMPARED  # noqa: E402
+from _results import save
+
+from megatron_logra.testing.fault_launch import (RL_FLAGS, Launch, checkpoint_model, compared,
+                                                 launch, records)
 
 SAVE_INTERVAL = 2
 # case -> (MEGATRON_LOGRA_FAULT, what it does)
@@ -74,7 +72,7 @@ DAMAGED = {
 
 
 def _argv(run: Path, *extra: str) -> list[str]:
-    return [*RL, "--output-dir", str(run), "--save", str(run / "ckpt"), *extra]
+    return [*RL_FLAGS, "--output-dir", str(run), "--save", str(run / "ckpt"), *extra]
 
 
 def _damage(ckpt: Path, how: str) -> str:
@@ -89,10 +87,6 @@ def _damage(ckpt: Path, how: str) -> str:
     else:
         shard.unlink()
     return shard.name
-
-
-def _compared(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k not in UNCOMPARED and not k.endswith("_s")}
 
 
 def _updates_lost(log: str, finished_before: int) -> int:
@@ -119,7 +113,7 @@ def _measure(name: str, job: Launch, run: Path, reference: Path,
         return out
     mine, theirs = records(run), records(reference)
     by_step = {r["step"]: r for r in theirs}
-    differing = sum(_compared(r) != _compared(by_step.get(r["step"], {})) for r in mine)
+    differing = sum(compared(r) != compared(by_step.get(r["step"], {})) for r in mine)
     differing += len({r["step"] for r in theirs} ^ {r["step"] for r in mine})
     a, b = checkpoint_model(final), checkpoint_model(reference / "ckpt" / "iter_0000004")
     weights_differ = a.keys() != b.keys() or any(not torch.equal(a[k], b[k]) for k in a)

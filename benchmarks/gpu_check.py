@@ -61,7 +61,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from _train_probe import REPO, SHAPES, VARIANTS, Probe, Server
+from _train_probe import REPO, VARIANTS, Probe, Server
 from step_time import _median_phases
 
 SEED = 1234
@@ -236,22 +236,15 @@ def device_independence(device: str, scale: Scale) -> dict:
 
 # --- 2. the trainer at world size 1 ---------------------------------------------------
 def token_batch(arch, step: int, mask_fraction: float = 0.0) -> list[dict]:
-    """Step ``step``'s fixed random batch: microbatches of tokens [b, s], their causal
-    inputs, next-token labels [b, s] and a loss mask [b, s] (``mask_fraction`` masked)."""
-    import torch
+    """Step ``step``'s fixed random batch (``testing.batches.random_microbatches``):
+    microbatches of tokens [b, s], their causal inputs, next-token labels [b, s] and a
+    loss mask [b, s] (``mask_fraction`` masked; the mask is drawn even at 0, so every
+    step's tokens stay the same whatever the fraction)."""
+    from megatron_logra.testing.batches import random_microbatches
 
-    from megatron_logra.model.logits import causal_inputs
-
-    g = torch.Generator().manual_seed(SEED * 1000 + step)
-    shape = (TRAINER.micro_batch, TRAINER.seq)
-    batch = []
-    for _ in range(TRAINER.microbatches):
-        tokens = torch.randint(0, arch.vocab_size, shape, generator=g)
-        mb = causal_inputs(tokens)
-        mb.update(labels=torch.roll(tokens, -1, 1),
-                  loss_mask=(torch.rand(shape, generator=g) >= mask_fraction).float())
-        batch.append(mb)
-    return batch
+    return random_microbatches(arch.vocab_size, count=TRAINER.microbatches,
+                               batch=TRAINER.micro_batch, seq=TRAINER.seq,
+                               seed=SEED * 1000 + step, mask_fraction=mask_fraction)
 
 
 def trainer_optimizer(variant: str, **overrides):
@@ -507,6 +500,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def memory_part(device: str, scale: Scale) -> dict:
     """Dense Adam, LoGRA (fp32 masters) and LoRA at ``scale.probe_shape``, side by side."""
+    from megatron_logra.memory.shapes import SHAPES
     from megatron_logra.runtime.device import release_cached_memory
 
     release_cached_memory()  # what part 2 left cached goes back to the GPU

@@ -25,20 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import mib, save  # noqa: E402
-from _train_probe import (  # noqa: E402
-    REPO,
-    SHAPES,
-    VARIANTS,
-    add_setup_args,
-    measure,
-    shape_dir,
-)
+from _results import mib, save
+from _train_probe import VARIANTS, add_setup_args, measure
 
-sys.path.insert(0, str(REPO))
+from megatron_logra.memory.shapes import SHAPES, shape_dir
 
 LAYOUTS = {"DP4": (1, 1, 4), "DP2": (1, 1, 2), "DP1": (1, 1, 1), "TP2": (2, 1, 1),
            "TP3": (3, 1, 1), "PP2": (1, 2, 1)}  # name -> (TP, PP, DP)

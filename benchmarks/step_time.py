@@ -24,11 +24,11 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import save  # noqa: E402
-from _train_probe import SHAPES, Server, add_setup_args  # noqa: E402
+from _results import save
+from _train_probe import Server, add_setup_args
+
+from megatron_logra.memory.shapes import SHAPES
 
 TARGETS = {256: 0.85, 64: 0.7}
 MODES = {"fp32": "logra_fp32_master", "none": "logra_none"}

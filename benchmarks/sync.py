@@ -23,41 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from megatron_logra.memory.projection import PROJECTED, sync_bytes
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-from memory_plan import PROJECTED, ROLES, rank_params  # noqa: E402
-
 MODEL, CKPT = REPO / "models" / "smollm2-135m-instruct", REPO / "ckpts" / "smollm2"
-
-
-def projected_bytes(shape: str, rank: int) -> dict:
-    """bf16 bytes per sync: full (every param) vs sketch delta (out x r bf16 D + 8-byte row
-    index per sketched row, the other tensors (norms, biases) in full; the embedding and an
-    untied output layer sketched, all rows counted). From the tensors megatron builds for
-    ``shape`` (``memory_plan.rank_params`` at TP1/PP1)."""
-    blocks = rank_params(shape, 1, 1, 0)
-    full = 2 * sum(b.numel for b in blocks)
-    sketched_rows = sum(b.rows for b in blocks if b.role in ROLES + ("embedding", "output"))
-    others = sum(b.numel for b in blocks if b.role == "other")
-    delta = sketched_rows * (2 * rank + 8) + 2 * others
-    return {"full_bytes": full, "sketch_delta_bytes": delta,
-            "sync_bytes_ratio": round(delta / full, 5)}
-
-
-def _random_microbatches(vocab: int, seq: int, seed: int) -> list[dict]:
-    from megatron_logra.model.logits import causal_inputs
-
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (2, seq), generator=g)
-    mb = causal_inputs(tokens)
-    mb.update(labels=torch.roll(tokens, -1, 1), loss_mask=torch.ones(2, seq))
-    return [{k: v.cpu() for k, v in mb.items()}]
 
 
 def _timed(fn):
@@ -132,6 +106,7 @@ def main(argv=None) -> None:
     from megatron_logra.weight_sync.sketch_rows import owned_updates
     from megatron_logra.cli import parse_run_config
     from megatron_logra.rl.loop import RLRun
+    from megatron_logra.testing.batches import random_microbatches
     from megatron_logra.training.step import train_step
 
     out_dir = REPO / "runs" / "bench_sync"
@@ -159,8 +134,9 @@ def main(argv=None) -> None:
         exact = True
         for update in range(args.updates):
             transport = ("sketch-delta", "sparse-delta")[update % 2]
-            train_step(objs, _random_microbatches(arch.vocab_size, args.seq_length, update),
-                       seq_length=args.seq_length, micro_batch_size=2)
+            batch = random_microbatches(arch.vocab_size, count=1, batch=2,
+                                        seq=args.seq_length, seed=update)
+            train_step(objs, batch, seq_length=args.seq_length, micro_batch_size=2)
             run.version = update + 1
             assembly = None  # a sparse delta is assembled inside the push
             if transport == "sketch-delta":
@@ -195,9 +171,9 @@ def main(argv=None) -> None:
     report = {"benchmark": "sync", "model": "smollm2-135m", "rank": args.rank,
               "updates": args.updates, "per_update": rows, "full": full, **per,
               "verify_time_s": verify_time,
-              "projection": {name: projected_bytes(PROJECTED[name], 256)
+              "projection": {name: sync_bytes(PROJECTED[name], 256)
                              for name in ("7B", "27B")},
-              "projection_smollm2_r": projected_bytes("smollm2-135m", args.rank),
+              "projection_smollm2_r": sync_bytes("smollm2-135m", args.rank),
               "sparse_bytes_ratio": round(per["sparse-delta"]["delta_bytes"] / full["full_bytes"], 5),
               "sync_bytes_ratio": round(per["sketch-delta"]["delta_bytes"] / full["full_bytes"], 5),
               "sync_time_ratio": round(per["sketch-delta"]["delta_time_s"] / full["full_time_s"], 4),

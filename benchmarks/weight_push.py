@@ -30,10 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from _results import mib, save
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-from _results import mib, save  # noqa: E402
-from sync import _random_microbatches  # noqa: E402
 
 SHAPE = dict(family="llama", hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=4,
              intermediate_size=2816, vocab_size=32000, tie_word_embeddings=False)
@@ -83,6 +82,7 @@ def worker(args) -> None:
     from megatron_logra.model.provider import ModelBuildConfig
     from megatron_logra.runtime.device import init_runtime
     from megatron_logra.runtime.parallel import ParallelConfig, initialize
+    from megatron_logra.testing.batches import random_microbatches
     from megatron_logra.training.setup import build_training_objects
     from megatron_logra.training.step import train_step
 
@@ -111,8 +111,8 @@ def worker(args) -> None:
     rows = []
     try:
         for update in range(args.updates):
-            train_step(objs, _random_microbatches(arch.vocab_size, 64, update), seq_length=64,
-                       micro_batch_size=2)
+            batch = random_microbatches(arch.vocab_size, count=1, batch=2, seq=64, seed=update)
+            train_step(objs, batch, seq_length=64, micro_batch_size=2)
             version = update + 1
             for transport in (TRANSPORTS[update % 2], Transport.FULL):
                 rows.append(_timed_push(link, version, transport))

@@ -173,7 +173,9 @@ def _check_logra(lg: LograConfig, training: TrainingConfig) -> None:
                           "--logra-update-factor-dtype float32 or keep an fp32 master")
 
 
-def _check_logra_fits(lg: LograConfig, arch, parallel: ParallelConfig) -> None:
+def check_logra_fits(lg: LograConfig, arch, parallel: ParallelConfig) -> None:
+    """Refuse (``ConfigError``) LoGRA settings the layout cannot sketch: qkv needs TP <= the
+    model's kv heads. ``memory.projection.cli_accepts`` asks it too."""
     tp = parallel.tensor_model_parallel_size
     if "qkv" in lg.targets and arch.num_kv_heads < tp:
         raise ConfigError(f"LoGRA cannot sketch linear_qkv when num_key_value_heads "
@@ -255,7 +257,7 @@ def parse_run_config(argv: list[str] | None = None, world_size: int | None = Non
         raise ConfigError(f"--seq-length {training.seq_length} exceeds the model's "
                           f"max_position_embeddings={arch.max_position_embeddings}; use at most that")
     if optimizer.name == "logra":
-        _check_logra_fits(optimizer.logra, arch, parallel)
+        check_logra_fits(optimizer.logra, arch, parallel)
     else:
         optimizer = replace(optimizer, logra=LograConfig())
     if optimizer.peft != "lora":

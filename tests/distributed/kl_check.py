@@ -10,8 +10,6 @@ same batch and probes the same rows, so every layout must give the TP1 numbers.
 
 from __future__ import annotations
 
-import torch
-
 
 def kl_numbers(tp: int, pp: int, optimizer: str, distributed_optimizer: bool,
                world_size: int, bf16: bool = False) -> dict:
@@ -19,10 +17,10 @@ def kl_numbers(tp: int, pp: int, optimizer: str, distributed_optimizer: bool,
     from megatron_logra.kl.controller import PredictedKLStep
     from megatron_logra.logra.sketched_linear import TARGETS
     from megatron_logra.model.arch import load_arch
-    from megatron_logra.model.logits import causal_inputs
     from megatron_logra.model.provider import ModelBuildConfig
     from megatron_logra.model.tiny_assets import EMBEDDED_DEFAULT
     from megatron_logra.runtime.parallel import ParallelConfig, initialize
+    from megatron_logra.testing.batches import random_microbatches
     from megatron_logra.training.setup import build_training_objects
     from megatron_logra.training.step import forward_backward
 
@@ -33,14 +31,8 @@ def kl_numbers(tp: int, pp: int, optimizer: str, distributed_optimizer: bool,
                           logra=LograConfig(rank=16, targets=TARGETS, update_ratio=2e-3))
     objs = build_training_objects(arch, ModelBuildConfig(bf16=bf16), opt, seed=11,
                                   train_iters=4)
-    g = torch.Generator().manual_seed(4)
-    batch = []
-    for _ in range(2):
-        tokens = torch.randint(0, arch.vocab_size, (2, 32), generator=g)
-        mb = causal_inputs(tokens)
-        mb.update(labels=torch.roll(tokens, -1, 1),
-                  loss_mask=(torch.rand(2, 32, generator=g) > 0.25).float())
-        batch.append(mb)
+    batch = random_microbatches(arch.vocab_size, count=2, batch=2, seq=32, seed=4,
+                                mask_fraction=0.25)
     kw = dict(seq_length=32, micro_batch_size=2, vocab_size=arch.vocab_size)
     objs.optimizer.zero_grad()
     forward_backward(objs.model, batch, **kw)

@@ -9,7 +9,6 @@ reduction). Returns the worst relative error over all ranks and weights.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
@@ -18,10 +17,10 @@ def sketch_vs_dense(tp: int, pp: int, world_size: int) -> dict:
     from megatron_logra.config import LograConfig, OptimizerConfig
     from megatron_logra.logra.sketched_linear import TARGETS
     from megatron_logra.model.arch import load_arch
-    from megatron_logra.model.logits import causal_inputs
     from megatron_logra.model.provider import ModelBuildConfig, unwrap
     from megatron_logra.model.tiny_assets import EMBEDDED_DEFAULT
     from megatron_logra.runtime.parallel import ParallelConfig, initialize
+    from megatron_logra.testing.batches import random_microbatches
     from megatron_logra.training.setup import build_training_objects
     from megatron_logra.training.step import forward_backward
 
@@ -32,13 +31,7 @@ def sketch_vs_dense(tp: int, pp: int, world_size: int) -> dict:
     sketched = build_training_objects(
         arch, ModelBuildConfig(), OptimizerConfig(name="logra", logra=LograConfig(rank=16, targets=TARGETS)),
         seed=11, train_iters=2)
-    g = torch.Generator().manual_seed(2)
-    batch = []
-    for _ in range(2):
-        tokens = torch.randint(0, arch.vocab_size, (2, 32), generator=g)
-        mb = causal_inputs(tokens)
-        mb.update(labels=torch.roll(tokens, -1, 1), loss_mask=torch.ones(2, 32))
-        batch.append(mb)
+    batch = random_microbatches(arch.vocab_size, count=2, batch=2, seq=32, seed=2)
     for objs in (dense, sketched):
         objs.optimizer.zero_grad()
         forward_backward(objs.model, batch, seq_length=32, micro_batch_size=2,

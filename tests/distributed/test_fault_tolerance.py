@@ -7,7 +7,7 @@ the previous checkpoint still selected and training going on; a checkpoint with 
 truncated shard is passed over by auto-resume (which says which file and falls back to
 the previous one) and refused by an explicit --load naming the file; --save-keep keeps
 the newest checkpoints only. No job leaves a process or a /dev/shm entry behind
-(``fault_launch``): a rank that died mid-save used to leave megatron-core's
+(``testing.fault_launch``): a rank that died mid-save used to leave megatron-core's
 checkpoint-writer queue server running. The same job launched as two torchrun nodes
 (one process each, the c10d rendezvous) ends as the single-node one, bit for bit."""
 
@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fault_launch import Launch, checkpoint_model, launch, launch_nodes, ok, records
+from megatron_logra.testing.fault_launch import (Launch, checkpoint_model, launch, launch_nodes,
+                                                 ok, records)
 
 pytestmark = pytest.mark.distributed
 

@@ -21,23 +21,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fault_launch import checkpoint_model, launch, ok, records
+from megatron_logra.testing.fault_launch import (RL_FLAGS, checkpoint_model, compared,
+                                                 launch, ok, records)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm]
 
-RL = ["--stage", "rl", "--task", "basic_arithmetic", "--prompts-per-step", "8",
-      "--responses-per-prompt", "1", "--micro-batch-size", "4", "--seq-length", "96",
-      "--max-new-tokens", "16", "--lr", "3e-3", "--dataset-size", "60", "--eval-prompts", "4",
-      "--train-iters", "4", "--seed", "3", "--algorithm", "reinforce",
-      "--optimizer", "logra", "--logra-rank", "16", "--logra-update-ratio", "2e-2",
-      "--bf16", "--logra-master-weights", "none", "--rollout-dtype", "bfloat16",
-      "--weight-sync", "sketch-delta", "--weight-sync-anchor-interval", "3",
-      "--kl-control", "predicted", "--kl-budget", "5e-4", "--kl-budget-final", "1e-4",
-      "--kl-budget-steps", "4", "--kl-probe-responses", "2", "--save-interval", "2"]
 FAULTS = "engine-generate@1,engine-delta-push@2,engine-full-push@3,optimizer@4:1"
-# what may differ between two runs with the same results: clocks, memory, and how the
-# weights travelled (a restarted engine is resynced in full)
-UNCOMPARED = {"engine_restarts", "sync_bytes", "sync_transport", "peak_mem_bytes"}
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +35,9 @@ def jobs(tmp_path_factory) -> dict:
     out = {"tmp": tmp}
     for name, fault in (("reference", None), ("faulted", FAULTS)):
         run = tmp / name
-        out[name] = ok(launch(tmp, name, [*RL, "--output-dir", str(run), "--save",
+        out[name] = ok(launch(tmp, name, [*RL_FLAGS, "--output-dir", str(run), "--save",
                                           str(run / "ckpt")], fault=fault))
     return out
-
-
-def _compared(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k not in UNCOMPARED and not k.endswith("_s")}
 
 
 def test_every_fault_happened_and_was_recovered_from(jobs):
@@ -73,7 +58,7 @@ def test_the_faulted_job_ends_as_the_uninterrupted_one_bit_for_bit(jobs):
     faulted, reference = records(tmp / "faulted"), records(tmp / "reference")
     assert [r["step"] for r in faulted] == [r["step"] for r in reference] == [0, 1, 2, 3, 4]
     for mine, theirs in zip(faulted, reference):
-        assert _compared(mine) == _compared(theirs), mine["step"]
+        assert compared(mine) == compared(theirs), mine["step"]
     trained = reference[1:]
     assert all(r["update_successful"] and r["alpha"] > 0 for r in trained)
     assert trained[-1]["kl_budget"] < trained[0]["kl_budget"]  # the schedule moved on

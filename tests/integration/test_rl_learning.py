@@ -25,9 +25,7 @@ from pathlib import Path
 import pytest
 
 from megatron_logra.rl.stats import paired_gain
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from log_readers import check_logs_match  # noqa: E402
+from megatron_logra.testing.log_readers import check_logs_match
 
 pytestmark = pytest.mark.vllm
 

@@ -31,11 +31,11 @@ from megatron_logra.kl.tangent_forward import UpdateTangents, logits_with_tangen
 from megatron_logra.logra.optimizer import LograOptimizer
 from megatron_logra.logra.sketched_linear import TARGETS
 from megatron_logra.model.arch import load_arch
-from megatron_logra.model.logits import causal_inputs
 from megatron_logra.model.provider import ModelBuildConfig, unwrap
 from megatron_logra.model.tiny_assets import write_tiny_model_dir
 from megatron_logra.runtime.device import init_runtime
 from megatron_logra.runtime.parallel import ParallelConfig, initialize
+from megatron_logra.testing.batches import random_microbatches
 from megatron_logra.training.setup import build_training_objects
 from megatron_logra.training.step import forward_backward
 
@@ -113,15 +113,7 @@ def arch_dir(tmp_path_factory):
 
 
 def _batch(vocab: int) -> list[dict]:
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(2):
-        tokens = torch.randint(0, vocab, (2, 24), generator=g)
-        mb = causal_inputs(tokens)
-        mb["labels"] = torch.roll(tokens, -1, dims=1)
-        mb["loss_mask"] = (torch.rand(2, 24, generator=g) > 0.3).float()
-        out.append(mb)
-    return out
+    return random_microbatches(vocab, count=2, batch=2, seq=24, seed=1, mask_fraction=0.3)
 
 
 # "logra": the paper's (frozen unsketched params, restoration, norm ratio; an fp32 factor so

@@ -1,6 +1,6 @@
 """TensorBoard and W&B get every metric of metrics.jsonl at its update step, read back with
-the libraries' own formats (``log_readers``); a resumed run continues both; an unreachable
-W&B service turns into an offline run and never stops training."""
+the libraries' own formats (``testing.log_readers``); a resumed run continues both; an
+unreachable W&B service turns into an offline run and never stops training."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import os
 
 import pytest
 
-from log_readers import check_logs_match, tensorboard_scalars, tensorboard_text, wandb_run
 from megatron_logra.cli import ConfigError, parse_run_config
 from megatron_logra.config import LoggingConfig
+from megatron_logra.testing.log_readers import (check_logs_match, tensorboard_scalars,
+                                                tensorboard_text, wandb_run)
 from megatron_logra.training.log_sinks import open_sinks
 from megatron_logra.training.metrics import MetricsLog, read_metrics
 

@@ -20,11 +20,11 @@ import torch
 from megatron_logra.config import LograConfig, OptimizerConfig
 from megatron_logra.logra.sketched_linear import TARGETS
 from megatron_logra.model.arch import load_arch
-from megatron_logra.model.logits import causal_inputs
 from megatron_logra.model.provider import ModelBuildConfig, unwrap
 from megatron_logra.model.tiny_assets import write_tiny_model_dir
 from megatron_logra.runtime.device import init_runtime
 from megatron_logra.runtime.parallel import ParallelConfig, initialize
+from megatron_logra.testing.batches import random_microbatches
 from megatron_logra.training.setup import build_training_objects
 from megatron_logra.training.step import forward_backward
 
@@ -63,12 +63,9 @@ def _one_update(tmp: Path, master: str, update_ratio: float):
         rank=8, update_ratio=update_ratio, master_weights=master, targets=TARGETS))
     objs = build_training_objects(arch, ModelBuildConfig(bf16=True), cfg, seed=3, train_iters=2)
     objs.optimizer.keep_updates = True
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, arch.vocab_size // 4, (2, 32), generator=g)
-    mb = causal_inputs(tokens)
-    mb.update(labels=torch.roll(tokens, -1, 1), loss_mask=torch.ones(2, 32))
+    batch = random_microbatches(arch.vocab_size // 4, count=1, batch=2, seq=32, seed=1)
     objs.optimizer.zero_grad()
-    forward_backward(objs.model, [mb], seq_length=32, micro_batch_size=2,
+    forward_backward(objs.model, batch, seq_length=32, micro_batch_size=2,
                      vocab_size=arch.vocab_size)
     params = dict(unwrap(objs.model[0]).named_parameters())
     before = {s.name: params[s.name].detach().clone() for s in objs.optimizer.sketches.slots}

@@ -27,29 +27,17 @@ from megatron_logra.config import LograConfig, OptimizerConfig
 from megatron_logra.logra.projection import parameter_seed, projection_block
 from megatron_logra.logra.sketched_linear import TARGETS
 from megatron_logra.model.arch import load_arch
-from megatron_logra.model.logits import causal_inputs
 from megatron_logra.model.provider import ModelBuildConfig, unwrap
 from megatron_logra.model.tiny_assets import write_tiny_model_dir
 from megatron_logra.runtime.device import init_runtime
 from megatron_logra.runtime.parallel import ParallelConfig, initialize
+from megatron_logra.testing.batches import random_microbatches
 from megatron_logra.training.setup import build_training_objects
 from megatron_logra.training.step import forward_backward
 
 RANK = 8
 SEED = 5
 LR = 1e-3
-
-
-def _batch(vocab: int) -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(2):
-        tokens = torch.randint(0, vocab, (2, 32), generator=g)
-        mb = causal_inputs(tokens)
-        mb["labels"] = torch.roll(tokens, -1, dims=1)
-        mb["loss_mask"] = (torch.rand(2, 32, generator=g) > 0.3).float()
-        out.append(mb)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +58,8 @@ def setup(tmp_path_factory):
     paper = build_training_objects(arch, build, OptimizerConfig(
         name="logra", lr=LR, logra=LograConfig(rank=RANK, update_ratio=6e-5)), seed=SEED,
         train_iters=10)
-    batch = _batch(arch.vocab_size)
+    batch = random_microbatches(arch.vocab_size, count=2, batch=2, seq=32, seed=0,
+                                mask_fraction=0.3)
     kw = dict(seq_length=32, micro_batch_size=2, vocab_size=arch.vocab_size)
     for objs in (dense, sketched, paper):
         objs.optimizer.zero_grad()

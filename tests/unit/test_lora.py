@@ -20,25 +20,16 @@ from megatron_logra.config import OptimizerConfig
 from megatron_logra.lora.config import LoraConfig
 from megatron_logra.lora.layers import lora_modules
 from megatron_logra.model.arch import load_arch
-from megatron_logra.model.logits import causal_inputs
 from megatron_logra.model.provider import ModelBuildConfig, served_parameters, unwrap
 from megatron_logra.model.tiny_assets import write_tiny_model_dir
 from megatron_logra.runtime.device import init_runtime
 from megatron_logra.runtime.parallel import ParallelConfig, initialize
+from megatron_logra.testing.batches import random_microbatches
 from megatron_logra.training.setup import build_training_objects
 from megatron_logra.training.step import forward_backward
 
 RANK, ALPHA, SEED = 4, 8.0, 3
 SCALE = ALPHA / RANK
-
-
-def _batch(vocab: int) -> list[dict]:
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, vocab, (2, 32), generator=g)
-    mb = causal_inputs(tokens)
-    mb["labels"] = torch.roll(tokens, -1, dims=1)
-    mb["loss_mask"] = (torch.rand(2, 32, generator=g) > 0.3).float()
-    return [mb]
 
 
 def _loss(reports: list[dict]) -> float:
@@ -68,7 +59,8 @@ def setup(tmp_path_factory):
         dense_params = dict(unwrap(dense.model[0]).named_parameters())
         for n, m in lora_modules(inner):
             dense_params[f"{n}.weight"].copy_(m.weight + SCALE * m.lora_b @ m.lora_a)
-    batch = _batch(arch.vocab_size)
+    batch = random_microbatches(arch.vocab_size, count=1, batch=2, seq=32, seed=1,
+                                mask_fraction=0.3)
     kw = dict(seq_length=32, micro_batch_size=2, vocab_size=arch.vocab_size)
     losses = {}
     for key, objs in (("lora", lora), ("dense", dense)):

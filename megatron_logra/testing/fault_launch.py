@@ -8,6 +8,9 @@ process still carrying the tag is an orphan (a rollout engine, a scoring process
 checkpoint-writer queue server of a killed rank...), and a /dev/shm entry that appeared
 during the run and is still there leaked. Both are reported on the result (and the
 orphans killed).
+
+``RL_FLAGS`` is the RL job that tests/distributed/test_rl_faults.py and
+benchmarks/faults.py fault; ``compared`` is what of its metrics two runs must share.
 """
 
 from __future__ import annotations
@@ -26,9 +29,25 @@ import torch
 
 from megatron_logra.runtime.device import free_port
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # the checkout (its launch/pretrain_rl.py)
 SHM = Path("/dev/shm")
 JOB_TAG = "MEGATRON_LOGRA_TEST_JOB"  # in the job's environment, inherited by all it starts
+
+# the faulted RL job: DP2 on gloo, the embedded tiny model, LoGRA in bf16 with sketch-delta
+# sync and predicted-KL control, 4 updates, a checkpoint every 2
+RL_FLAGS = ["--stage", "rl", "--task", "basic_arithmetic", "--prompts-per-step", "8",
+            "--responses-per-prompt", "1", "--micro-batch-size", "4", "--seq-length", "96",
+            "--max-new-tokens", "16", "--lr", "3e-3", "--dataset-size", "60",
+            "--eval-prompts", "4", "--train-iters", "4", "--seed", "3",
+            "--algorithm", "reinforce", "--optimizer", "logra", "--logra-rank", "16",
+            "--logra-update-ratio", "2e-2", "--bf16", "--logra-master-weights", "none",
+            "--rollout-dtype", "bfloat16", "--weight-sync", "sketch-delta",
+            "--weight-sync-anchor-interval", "3", "--kl-control", "predicted",
+            "--kl-budget", "5e-4", "--kl-budget-final", "1e-4", "--kl-budget-steps", "4",
+            "--kl-probe-responses", "2", "--save-interval", "2"]
+# what may differ between two runs with the same results: clocks, memory, and how the
+# weights travelled (a restarted engine is resynced in full)
+UNCOMPARED = {"engine_restarts", "sync_bytes", "sync_transport", "peak_mem_bytes"}
 
 
 @dataclass
@@ -161,7 +180,14 @@ def ok(run: Launch) -> str:
 
 
 def records(run_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl, one dict per line."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def compared(record: dict) -> dict:
+    """A metrics record less what two runs with the same results may differ in
+    (``UNCOMPARED`` and every ``*_s`` time)."""
+    return {k: v for k, v in record.items() if k not in UNCOMPARED and not k.endswith("_s")}
 
 
 def checkpoint_model(ckpt: Path) -> dict[str, torch.Tensor]:
