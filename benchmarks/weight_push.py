@@ -80,6 +80,7 @@ def worker(args) -> None:
     from megatron_logra.config import LograConfig, OptimizerConfig
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.provider import ModelBuildConfig
+    from megatron_logra.runtime.collectives import from_rank0
     from megatron_logra.runtime.device import init_runtime
     from megatron_logra.runtime.parallel import ParallelConfig, initialize
     from megatron_logra.testing.batches import random_microbatches
@@ -89,9 +90,7 @@ def worker(args) -> None:
     rt = init_runtime()
     initialize(ParallelConfig(args.tp, args.pp), rt.world_size, seed=0)
     root = Path(tempfile.gettempdir()) / f"megatron_logra-weight-push-{os.getuid()}"
-    folder = [_engine_dir(root) if rt.rank == 0 else None]
-    dist.broadcast_object_list(folder, src=0)
-    folder = folder[0]
+    folder = from_rank0(lambda: _engine_dir(root))
     arch = load_arch(folder)
     opt = OptimizerConfig(name="logra", lr=1e-5, use_distributed_optimizer=True,
                           logra=LograConfig(rank=args.rank, master_weights="none",

@@ -134,15 +134,16 @@ class RLRun:
     def _start_driver_everywhere(self) -> _Driver | None:
         """Rank 0 builds the driver; a failure there (bad task data, no prompts fit) is
         raised on every rank, so no rank waits in a collective for a rank that died."""
-        driver, error = None, [""]
-        if self.rank == 0:
+        driver = None
+
+        def start() -> None:  # rank 0 keeps the driver
+            nonlocal driver
             try:
                 driver = self._start_driver()
             except (ValueError, RuntimeError, OSError) as exc:
-                error = [f"{type(exc).__name__}: {exc}"]
-        dist.broadcast_object_list(error, src=0)
-        if error[0]:
-            raise RuntimeError(f"RL set-up failed on rank 0: {error[0]}")
+                raise RuntimeError(
+                    f"RL set-up failed on rank 0: {type(exc).__name__}: {exc}") from exc
+        from_rank0(start)
         return driver
 
     def _start_driver(self) -> _Driver:
@@ -201,30 +202,31 @@ class RLRun:
 
     # --- one update ------------------------------------------------------------------------
     def rollout_batch(self, update: int) -> tuple[list[RolloutSample] | None, dict]:
-        rl = self.cfg.rl
         groups, stats = self._generate_groups(update)
-        payload = [None]
-        if self.rank == 0:
-            prompts = [p for p, _, _ in groups]
-            completions = [c for _, group, _ in groups for c in group]
-            r = torch.tensor([rewards for _, _, rewards in groups], dtype=torch.float32)
-            if rl.algorithm == "grpo":
-                a = adv.grpo_advantages(r, scale_by_std=rl.grpo_std_norm)
-            else:
-                failure = rl.failure_reward if rl.reward == "binary" else None
-                a = self.baseline.advantages(adv.reinforce_outcomes(r, failure))
-            samples = [RolloutSample(p.ids, c.token_ids, c.logprobs, float(a.flatten()[k]),
-                                     truncated=c.truncated, reward=float(r.flatten()[k]))
-                       for k, (p, c) in enumerate(zip(
-                           [p for p in prompts for _ in range(rl.responses_per_prompt)],
-                           completions))]
-            length, truncated = rollouts.length_stats(completions)
-            stats.update(reward_mean=float(r.mean()), response_len=length,
-                         truncated_frac=truncated, baseline=self.baseline.value)
-            payload = [(samples, stats)]
-        dist.broadcast_object_list(payload, src=0)
-        samples, stats = payload[0]
+        samples, stats = from_rank0(lambda: self._samples(groups, stats))
         self.baseline.value = stats["baseline"]  # every rank checkpoints the same state
+        return samples, stats
+
+    def _samples(self, groups: list, stats: dict) -> tuple[list[RolloutSample], dict]:
+        """Rank 0: the update's samples with their advantages, and ``stats`` with the
+        rewards' and responses' figures."""
+        rl = self.cfg.rl
+        prompts = [p for p, _, _ in groups]
+        completions = [c for _, group, _ in groups for c in group]
+        r = torch.tensor([rewards for _, _, rewards in groups], dtype=torch.float32)
+        if rl.algorithm == "grpo":
+            a = adv.grpo_advantages(r, scale_by_std=rl.grpo_std_norm)
+        else:
+            failure = rl.failure_reward if rl.reward == "binary" else None
+            a = self.baseline.advantages(adv.reinforce_outcomes(r, failure))
+        samples = [RolloutSample(p.ids, c.token_ids, c.logprobs, float(a.flatten()[k]),
+                                 truncated=c.truncated, reward=float(r.flatten()[k]))
+                   for k, (p, c) in enumerate(zip(
+                       [p for p in prompts for _ in range(rl.responses_per_prompt)],
+                       completions))]
+        length, truncated = rollouts.length_stats(completions)
+        stats.update(reward_mean=float(r.mean()), response_len=length,
+                     truncated_frac=truncated, baseline=self.baseline.value)
         return samples, stats
 
     def _generate_groups(self, update: int) -> tuple[list | None, dict]:
@@ -244,20 +246,10 @@ class RLRun:
             completions = self.generate(requests, f"rollouts {update + 1}" + (
                 f" round {rounds + 1}" if rounds else ""))
             seconds += time.perf_counter() - t0
-            more = [False]
-            if self.rank == 0:
-                rewards = rollouts.score(self.driver.verifier, self.driver.tokenizer, prompts,
-                                         completions, rl.responses_per_prompt)
-                g = rl.responses_per_prompt
-                for i, prompt in enumerate(prompts):
-                    group = (prompt, completions[i * g:(i + 1) * g], rewards[i])
-                    signal = not rl.dynamic_sampling or rollouts.has_signal(rewards[i])
-                    (kept if signal else dropped).append(group)
-                more = [rl.dynamic_sampling and len(kept) < rl.prompts_per_step
-                        and rounds + 1 < rl.dynamic_sampling_max_rounds]
-            dist.broadcast_object_list(more, src=0)
+            more = from_rank0(lambda: self._sort_groups(prompts, completions, kept, dropped,
+                                                        rounds))
             rounds += 1
-            if not more[0]:
+            if not more:
                 break
         stats: dict = {"rollout_time_s": seconds}
         groups = None
@@ -268,6 +260,22 @@ class RLRun:
                              dynamic_sampling_signal_groups=with_signal,
                              dynamic_sampling_dropped_groups=len(dropped))
         return groups, stats
+
+    def _sort_groups(self, prompts, completions, kept: list, dropped: list,
+                     rounds: int) -> bool:
+        """Rank 0: each prompt's group scored and added to ``kept``, or to ``dropped``
+        (no signal under --dynamic-sampling); whether another round is wanted (``rounds``:
+        the rounds done before this one)."""
+        rl = self.cfg.rl
+        rewards = rollouts.score(self.driver.verifier, self.driver.tokenizer, prompts,
+                                 completions, rl.responses_per_prompt)
+        g = rl.responses_per_prompt
+        for i, prompt in enumerate(prompts):
+            group = (prompt, completions[i * g:(i + 1) * g], rewards[i])
+            signal = not rl.dynamic_sampling or rollouts.has_signal(rewards[i])
+            (kept if signal else dropped).append(group)
+        return (rl.dynamic_sampling and len(kept) < rl.prompts_per_step
+                and rounds + 1 < rl.dynamic_sampling_max_rounds)
 
     def batch_length(self, samples: list[RolloutSample]) -> int:
         """Padded length of this update's sequences: the longest rollout of the global batch
@@ -366,18 +374,17 @@ class RLRun:
         rl = self.cfg.rl
         requests = rollouts.eval_requests(self.driver.eval_prompts, rl) if self.rank == 0 else None
         completions = self.generate(requests, "eval")
-        out = [None]
-        if self.rank == 0:
+
+        def score() -> dict:  # rank 0, which holds the verifier
             rewards = rollouts.score(self.driver.verifier, self.driver.tokenizer,
                                      self.driver.eval_prompts, completions, rl.eval_samples)
             p1, pk = rollouts.pass_at(rewards)
             length, truncated = rollouts.length_stats(completions)
-            out = [{"eval_pass@1": p1, f"eval_pass@{rl.eval_samples}": pk,
+            return {"eval_pass@1": p1, f"eval_pass@{rl.eval_samples}": pk,
                     "eval_response_len": length, "eval_truncated_frac": truncated,
                     # per eval prompt (fixed prompts and seeds): paired gains and their SE
-                    "eval_prompt_pass": rollouts.prompt_pass_rates(rewards)}]
-        dist.broadcast_object_list(out, src=0)
-        return out[0]
+                    "eval_prompt_pass": rollouts.prompt_pass_rates(rewards)}
+        return from_rank0(score)
 
     def close(self) -> None:
         self.link.close()

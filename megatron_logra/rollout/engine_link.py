@@ -21,12 +21,12 @@ import re
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from megatron_logra.rollout.types import Completion, EngineConfig, EngineError, SampleRequest
 from megatron_logra.weight_sync.sync import SyncStats, WeightSync
 from megatron_logra.rollout.vllm_server import VllmServer
+from megatron_logra.runtime.collectives import from_rank0, rank0_value
 from megatron_logra.runtime.device import current_device, release_cached_memory
 from megatron_logra.runtime.progress import Progress
 
@@ -62,10 +62,9 @@ class EngineLink:
         for _ in range(TRIES):
             t0 = time.perf_counter()
             failed, sent = self._push_once(version, transport)
-            flag = torch.tensor([int(bool(failed))])
-            dist.broadcast(flag, src=0)
+            failed = rank0_value(failed)  # rank 0's outcome decides for every rank
             self.stats.seconds += time.perf_counter() - t0
-            if not flag.item():
+            if not failed:
                 self.stats.bytes += sent
                 self.stats.pushes += 1
                 return
@@ -85,30 +84,33 @@ class EngineLink:
     def _start(self) -> str:
         """Rank 0 connects to the engine, starting it if it is ours and not running
         (collective: the failure, or "", on every rank)."""
-        status = [""]
-        if self.rank == 0 and self.engine is None:
-            cfg = self.engine_cfg
-            try:
-                if cfg.url:  # a server the user runs: connect, the first push is full
-                    self.engine = VllmServer(cfg.url, cfg.request_timeout_s,
-                                             cfg.startup_timeout_s,
-                                             adapter_root=self._adapter_root())
-                    print(f"rollout engine: the vLLM server at {cfg.url} (TP"
-                          f"{self.engine.world_size}, serving {self.engine.model}); its "
-                          f"weights are replaced by the first push", flush=True)
-                else:  # vLLM's server, started here
-                    self.engine = VllmServer.local(
-                        cfg, Path(cfg.model_dir).parent / "engine.log",
-                        cuda=current_device().type == "cuda",
-                        adapter_root=self._adapter_root())
-                    print(f"rollout engine: vLLM's server up in {self.engine.startup_s:.1f}s "
-                          f"at {self.engine.url} (vLLM {cfg.dtype}, TP"
-                          f"{cfg.tensor_parallel_size}, dummy weights until the first push)",
-                          flush=True)
-            except EngineError as exc:
-                status = [f"engine start-up: {exc}"]
-        dist.broadcast_object_list(status, src=0)
-        return status[0]
+        return from_rank0(self._start_here)
+
+    def _start_here(self) -> str:
+        """Rank 0: ``_start``'s connection or start-up."""
+        if self.engine is not None:
+            return ""
+        cfg = self.engine_cfg
+        try:
+            if cfg.url:  # a server the user runs: connect, the first push is full
+                self.engine = VllmServer(cfg.url, cfg.request_timeout_s,
+                                         cfg.startup_timeout_s,
+                                         adapter_root=self._adapter_root())
+                print(f"rollout engine: the vLLM server at {cfg.url} (TP"
+                      f"{self.engine.world_size}, serving {self.engine.model}); its "
+                      f"weights are replaced by the first push", flush=True)
+            else:  # vLLM's server, started here
+                self.engine = VllmServer.local(
+                    cfg, Path(cfg.model_dir).parent / "engine.log",
+                    cuda=current_device().type == "cuda",
+                    adapter_root=self._adapter_root())
+                print(f"rollout engine: vLLM's server up in {self.engine.startup_s:.1f}s "
+                      f"at {self.engine.url} (vLLM {cfg.dtype}, TP"
+                      f"{cfg.tensor_parallel_size}, dummy weights until the first push)",
+                      flush=True)
+        except EngineError as exc:
+            return f"engine start-up: {exc}"
+        return ""
 
     def _adapter_root(self) -> str:
         return str(Path(self.engine_cfg.model_dir).parent / "adapters")
@@ -172,9 +174,7 @@ class EngineLink:
                     status = str(exc)
                     print(f"rollout failed ({status}); restarting the engine", flush=True)
                     self._restart()
-            flag = torch.tensor([int(bool(status))])
-            dist.broadcast(flag, src=0)
-            if not flag.item():
+            if not rank0_value(status):  # the others follow rank 0's engine
                 return done
             self.push(version)
         raise RuntimeError(f"rollouts failed {TRIES} times: see the engine errors above")

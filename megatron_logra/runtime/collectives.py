@@ -1,11 +1,22 @@
-"""Small collectives the package's control flow shares.
+"""Rank 0 decides, every rank learns it: the package's one "compute on rank 0, then
+broadcast".
 
-Object collectives travel over the default group's CPU backend (gloo, also on CUDA:
-``device.collective_backend``), so nothing here puts a tensor on a device.
+``from_rank0(fn)``: rank ``src`` calls ``fn()``; its value, or the exception it raised,
+reaches every rank of the group, so no rank waits in a later collective for a rank that
+gave up. ``rank0_value(value)``: rank 0's ``value`` on every rank, for a decision rank 0
+made in place (a failure message beside a result only rank 0 keeps).
+
+Where the objects travel is torch's choice (``broadcast_object_list`` without
+``device``): over the group's CPU backend when it has one, else over its CUDA backend on
+``torch.cuda.current_device()``, which ``device.init_runtime`` sets to this process's GPU
+(a NCCL-only group refuses CPU tensors). The default group on CUDA is
+``cpu:gloo,cuda:nccl`` (``device.collective_backend``) and megatron-core's groups inherit
+both, so a decision never meets NCCL and never waits behind the model's CUDA work.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -14,19 +25,71 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 
-def from_rank0(compute: Callable[[], T], errors: tuple[type[Exception], ...] = (ValueError,)
-               ) -> T:
-    """``compute()`` run on rank 0, its (picklable) value returned on every rank. An error
-    of one of the ``errors`` types raised there is raised on every rank, with its type and
-    message, so that no rank waits in a later collective for a rank that gave up."""
-    out: list = [None, None]
-    if dist.get_rank() == 0:
+class Rank0Error(RuntimeError):
+    """Raised on the other ranks for an exception of rank ``src`` that cannot be re-created
+    there (its class cannot be pickled, or takes other arguments than its ``args``):
+    ``kind`` is its type's name, ``message`` its ``str``."""
+
+    def __init__(self, kind: str, message: str, src: int = 0):
+        super().__init__(f"{kind} on rank {src}: {message}")
+        self.kind, self.message, self.src = kind, message, src
+
+
+def from_rank0(fn: Callable[[], T], *, group: dist.ProcessGroup | None = None,
+               src: int = 0) -> T:
+    """Collective over ``group`` (the default group when None). Rank ``src`` (a global
+    rank) calls ``fn()``, no other rank does; every rank returns its value, which must be
+    picklable (``src`` returns the object itself, the others an unpickled copy). An
+    ``Exception`` raised by ``fn`` (or by pickling its value) is raised on every rank: on
+    ``src`` the exception itself, elsewhere a copy of the same type and message, or a
+    ``Rank0Error`` where it cannot be re-created. Without torch.distributed, or in a group
+    of one, it is ``fn()``."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return fn()
+    here = dist.get_rank()
+    message: list = [None]  # src: (True, the pickled value) or (False, _describe(exc))
+    value, error = None, None
+    if here == src:
         try:
-            out[0] = compute()
-        except errors as exc:
-            out[1] = (type(exc), str(exc))
-    dist.broadcast_object_list(out, src=0)
-    if out[1] is not None:
-        kind, message = out[1]
-        raise kind(message)
-    return out[0]
+            value = fn()
+            message[0] = (True, pickle.dumps(value))
+        except Exception as exc:  # noqa: BLE001 - every rank raises it, below
+            error = exc
+            message[0] = (False, _describe(exc))
+    dist.broadcast_object_list(message, src=src, group=group)
+    ok, body = message[0]
+    if here == src:
+        if error is not None:
+            raise error
+        return value
+    if ok:
+        return pickle.loads(body)
+    raise _rebuild(*body, src=src)
+
+
+def rank0_value(value: T, *, group: dist.ProcessGroup | None = None, src: int = 0) -> T:
+    """Collective: rank ``src``'s ``value`` on every rank (what the others pass is
+    ignored)."""
+    return from_rank0(lambda: value, group=group, src=src)
+
+
+def _describe(exc: Exception) -> tuple[bytes | None, str, str]:
+    """(the pickled exception, or None where it would not come back the same; its type's
+    name; its message)."""
+    try:
+        blob = pickle.dumps(exc)
+        back = pickle.loads(blob)
+        if type(back) is not type(exc) or str(back) != str(exc):
+            blob = None
+    except Exception:  # noqa: BLE001 - whatever fails, the other ranks get a Rank0Error
+        blob = None
+    return blob, type(exc).__name__, str(exc)
+
+
+def _rebuild(blob: bytes | None, kind: str, message: str, *, src: int) -> Exception:
+    if blob is None:
+        return Rank0Error(kind, message, src)
+    try:
+        return pickle.loads(blob)
+    except Exception:  # noqa: BLE001 - a class this rank cannot import
+        return Rank0Error(kind, message, src)

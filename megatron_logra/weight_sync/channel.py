@@ -40,6 +40,7 @@ from megatron_logra.weight_sync.transfer_plan import Block, shard_blocks, shard_
 from megatron_logra.model.hf_mapping import hf_param_shapes, megatron_param_names, row_segments
 from megatron_logra.model.provider import canonical_param_names, global_shape, served_parameters
 from megatron_logra.model.sharding import tp_split
+from megatron_logra.runtime.collectives import from_rank0
 from megatron_logra.runtime.device import current_device, free_port
 
 
@@ -109,18 +110,18 @@ class DirectChannel:
     def join(self, engine) -> str:
         """Make sure the engine's workers and every trainer rank share a group (a fresh one
         for each engine start); returns a failure ("" when joined)."""
-        state = [None, ""]
-        if self.rank == 0:
+
+        def new_address() -> GroupAddress | None:  # rank 0: None when already joined
             start = getattr(engine, "start_id", None)
-            if start != self.joined:
-                if self.store is None:
-                    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-                    self.address = GroupAddress(host, free_port(), "", self.world,
-                                                self.engine_tp, self.backend)
-                    self.store = open_store(self.address, master=True)
-                state[0] = replace(self.address, prefix=f"mlogra-direct/{start}/")
-        dist.broadcast_object_list(state, src=0)
-        address = state[0]
+            if start == self.joined:
+                return None
+            if self.store is None:
+                host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+                self.address = GroupAddress(host, free_port(), "", self.world,
+                                            self.engine_tp, self.backend)
+                self.store = open_store(self.address, master=True)
+            return replace(self.address, prefix=f"mlogra-direct/{start}/")
+        address = from_rank0(new_address)
         if address is None:
             return ""
         self.group = None  # the old group's workers are gone
@@ -186,19 +187,20 @@ class DirectChannel:
         failed = self.join(engine)
         if failed:
             return Delivery(failed=failed)
-        status = ["", ""]  # [refused, failed]: rank 0's answer from the engine
-        if self.rank == 0:
+
+        def ask() -> Delivery:  # rank 0's answer from the engine
             try:
                 engine.expect(kind, base_version=None if kind == Transport.FULL else version - 1,
                               version=version)
                 engine.begin_receive(count)
             except PushRefused as exc:
-                status[0] = str(exc)
+                return Delivery(refused=str(exc))
             except EngineError as exc:
-                status[1] = str(exc)
-        dist.broadcast_object_list(status, src=0)
-        if status[0] or status[1]:
-            return Delivery(refused=status[0], failed=status[1])
+                return Delivery(failed=str(exc))
+            return Delivery()
+        asked = from_rank0(ask)
+        if asked.refused or asked.failed:
+            return asked
         failed, before = "", self.sent_here
         for outboxes in rounds:
             try:

@@ -4,9 +4,8 @@ resent."""
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from megatron_logra.rollout.types import EngineError, Transport
+from megatron_logra.runtime.collectives import from_rank0
 from megatron_logra.weight_sync.transport import PushResult, TrainerWeights
 
 class FullPush:
@@ -42,14 +41,13 @@ class FullPush:
         for bucket in w.buckets():  # rank 0; the others send inside
             for name, tensor in bucket:
                 builder.add(name, tensor)
-        bad, failed = [[]], ""
-        if w.rank == 0:
+
+        def compare() -> tuple[list[str] | None, str]:  # rank 0, which holds the engine
             try:
-                bad = [builder.mismatched(engine.checksums())]
+                return builder.mismatched(engine.checksums()), ""
             except EngineError as exc:
-                bad, failed = [None], str(exc)
-        dist.broadcast_object_list(bad, src=0)
-        return bad[0], failed
+                return None, str(exc)
+        return from_rank0(compare)
 
     def resend_mismatches(self, engine, version: int) -> tuple[PushResult, int]:
         """Compare the server's weights with the trainer's (checksums) and resend the

@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from megatron_logra.weight_sync.config import WeightSyncConfig
 from megatron_logra.rollout.types import Transport
+from megatron_logra.runtime.collectives import from_rank0
 from megatron_logra.weight_sync.full_push import FullPush
 from megatron_logra.weight_sync.lora_adapter_push import LoraAdapterPush
 from megatron_logra.weight_sync.sketch_delta_push import SketchDeltaPush
@@ -135,14 +135,14 @@ class WeightSync:
         delta = self.deltas.get(wanted)
         if wanted != Transport.FULL and delta is None:  # the same on every rank
             raise ValueError(f"a {wanted} push on a run set up for {self.cfg.transport}")
-        choice = [Transport.FULL]
-        if self.rank == 0 and engine is not None:
+
+        def choose() -> str:  # rank 0, which holds the engine
+            if engine is None:
+                return Transport.FULL
             base = version - 1 if delta is not None and delta.ready(version) else None
-            choice = [choose_transport(wanted, version=version, engine_version=engine.version,
-                                       shadow_version=base,
-                                       anchor_interval=self.cfg.anchor_interval)]
-        dist.broadcast_object_list(choice, src=0)
-        return choice[0]
+            return choose_transport(wanted, version=version, engine_version=engine.version,
+                                    shadow_version=base, anchor_interval=self.cfg.anchor_interval)
+        return from_rank0(choose)
 
     def _push_delta(self, engine, version: int, delta) -> PushResult | None:
         """Every rank's part reaches the engine (``delta.deliver``); each vLLM worker applies

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron_logra.model.hf_mapping import hf_sources
 from megatron_logra.rollout.types import Delivery, EngineError, PushRefused, Transport
+from megatron_logra.runtime.collectives import from_rank0
 from megatron_logra.weight_sync.channel import DirectChannel
 from megatron_logra.weight_sync.full_weights import full_push, plan_push
 
@@ -87,14 +88,13 @@ def deliver_through_rank0(delta, engine, version: int) -> Delivery:
     """Every rank's part of ``delta`` gathered on rank 0, which sends it to the engine;
     the outcome broadcast to every rank."""
     payload = delta.gather()
-    status = ["", "", 0]  # [refused, failed, sent]: rank 0's on every rank
-    if dist.get_rank() == 0:
+
+    def send() -> Delivery:
         try:
-            status[2] = delta.send(engine, payload, version)
+            return Delivery(sent=delta.send(engine, payload, version))
         except PushRefused as exc:
-            status[0] = str(exc)
+            return Delivery(refused=str(exc))
         except EngineError as exc:
-            status[1] = str(exc)
+            return Delivery(failed=str(exc))
     # every rank must know of a failure too: what follows a push is collective
-    dist.broadcast_object_list(status, src=0)
-    return Delivery(*status)
+    return from_rank0(send)
