@@ -295,6 +295,9 @@ class VllmServer:
                     print(f"[fault] the rollout engine (start {self.start_id}) dies at "
                           f"engine-generate of update {expected_version + 1}", flush=True)
                     self.owner.kill()
+                    # this sample is lost with it, as the requests in flight are (on a loaded
+                    # machine every other request may already have returned)
+                    raise EngineError("vLLM server killed in the middle of the rollouts (fault injection)")
                 if on_progress is not None:
                     rate = tokens[0] / max(time.perf_counter() - t0, 1e-9)
                     on_progress(done[0], len(requests), f"output: {rate:.1f} toks/s")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_logra.weight_sync.config import WeightSyncConfig
-from megatron_logra.rollout.types import Transport
+from megatron_logra.rollout.types import EngineError, Transport
 from megatron_logra.runtime.collectives import from_rank0
 from megatron_logra.weight_sync.full_push import FullPush
 from megatron_logra.weight_sync.lora_adapter_push import LoraAdapterPush
@@ -139,8 +139,12 @@ class WeightSync:
         def choose() -> str:  # rank 0, which holds the engine
             if engine is None:
                 return Transport.FULL
+            try:
+                serving = engine.version
+            except EngineError:  # the server died: the full push fails, the link restarts it
+                return Transport.FULL
             base = version - 1 if delta is not None and delta.ready(version) else None
-            return choose_transport(wanted, version=version, engine_version=engine.version,
+            return choose_transport(wanted, version=version, engine_version=serving,
                                     shadow_version=base, anchor_interval=self.cfg.anchor_interval)
         return from_rank0(choose)
 
