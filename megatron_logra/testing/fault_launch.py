@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from megatron_logra.runtime.device import free_port
+from megatron_logra.testing.shm import leaked_shm, shm_entries
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout (its launch/pretrain_rl.py)
-SHM = Path("/dev/shm")
 JOB_TAG = "MEGATRON_LOGRA_TEST_JOB"  # in the job's environment, inherited by all it starts
 
 # the faulted RL job: DP2 on gloo, the embedded tiny model, LoGRA in bf16 with sketch-delta
@@ -99,7 +99,7 @@ def launch_nodes(tmp: Path, name: str, argv: list[str], *, nodes: int = 1,
         where = [["--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-backend", "c10d",
                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", name]
                  for node in range(nodes)]
-    shm_before = set(os.listdir(SHM)) if SHM.is_dir() else set()
+    shm_before = shm_entries()
     logs = [tmp / f"{name}.log" if nodes == 1 else tmp / f"{name}.node{node}.log"
             for node in range(nodes)]  # kept for a failure's diagnosis
     t0 = time.perf_counter()
@@ -134,40 +134,9 @@ def launch_nodes(tmp: Path, name: str, argv: list[str], *, nodes: int = 1,
         except ProcessLookupError:
             pass
     return Launch(returncode, "".join(path.read_text() for path in logs),
-                  sorted(left.values()), _leaked_shm(shm_before), seconds)
+                  sorted(left.values()), leaked_shm(shm_before), seconds)
 
 
-def _leaked_shm(before: set[str]) -> list[str]:
-    """The /dev/shm entries that appeared during the job and that no live process maps or
-    holds open: what the job left (entries of other jobs on the machine are in use)."""
-    if not SHM.is_dir():
-        return []
-    held = _held_shm_inodes()
-    leaked = []
-    for name in set(os.listdir(SHM)) - before:
-        try:
-            if os.stat(SHM / name).st_ino not in held:
-                leaked.append(name)
-        except FileNotFoundError:
-            pass
-    return sorted(leaked)
-
-
-def _held_shm_inodes() -> set[int]:
-    """Inodes of the /dev/shm files some live process maps or has open."""
-    held = set()
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            for line in (proc / "maps").read_text().splitlines():
-                fields = line.split(None, 5)
-                if len(fields) == 6 and fields[5].startswith(str(SHM) + "/"):
-                    held.add(int(fields[4]))
-            for fd in (proc / "fd").iterdir():
-                if os.readlink(fd).startswith(str(SHM) + "/"):
-                    held.add(os.stat(fd).st_ino)
-        except OSError:
-            continue
-    return held
 
 
 def ok(run: Launch) -> str:

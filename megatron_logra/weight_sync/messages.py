@@ -13,8 +13,10 @@ A message carries up to three kinds of content, in this order:
   column, bit-identical to the trainer's step).
 
 Meta: {"blocks": [(param, dst_row, rows, dst_col, cols)], "sets": [(param, count)],
-"updates": [RowsUpdate]}; tensors: [block values, set indices (int32, or int64 past
-2^31), set values].
+"updates": [(name, rows, rank, coefficient, seed, kind)]}; tensors: [block values, set
+indices (int32, or int64 past 2^31), set values, then per update its row runs (int64,
+[k * 2]) and its rows of D ([rows * rank])]. Every tensor travels as itself, never
+pickled into the meta: the bytes of a push are its values plus a few bytes per entry.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_logra.weight_sync.sketch_rows import RowsUpdate
 from megatron_logra.weight_sync.transfer_plan import Block
 
 
@@ -64,15 +67,37 @@ class Outbox:
         indices = cat(self.set_indices, torch.int64)
         if indices.numel() and int(indices.max()) < 2**31:
             indices = indices.to(torch.int32)
-        meta = {"blocks": self.blocks, "sets": self.sets, "updates": self.updates}
-        return meta, [cat(self.block_values, dtype), indices, cat(self.set_values, dtype)]
+        meta = {"blocks": self.blocks, "sets": self.sets,
+                "updates": [(u.name, u.d.shape[0], u.d.shape[1], u.coefficient, u.seed, u.kind)
+                            for u in self.updates]}
+        tensors = [cat(self.block_values, dtype), indices, cat(self.set_values, dtype)]
+        for u in self.updates:
+            tensors += [u.runs.reshape(-1).to(device), u.d.reshape(-1).to(device)]
+        return meta, tensors
+
+
+def received_updates(meta: dict, tensors: list[torch.Tensor]) -> list[RowsUpdate]:
+    """The sketch updates of a received message, rebuilt from its meta and tensors."""
+    rest = tensors[3:]
+    if len(rest) != 2 * len(meta["updates"]):
+        raise ValueError(f"direct push: {len(rest)} update tensors for "
+                         f"{len(meta['updates'])} sketch updates")
+    out = []
+    for i, (name, rows, rank, coefficient, seed, kind) in enumerate(meta["updates"]):
+        runs, d = rest[2 * i], rest[2 * i + 1]
+        if runs.numel() % 2 or d.numel() != rows * rank:
+            raise ValueError(f"direct push: the sketch update of {name} holds "
+                             f"{d.numel()} values for {rows} x {rank}")
+        out.append(RowsUpdate(name, runs.view(-1, 2).cpu(), d.view(rows, rank), coefficient,
+                              seed, rank, kind))
+    return out
 
 
 def check_message(meta: dict, tensors: list[torch.Tensor],
                   params: dict[str, torch.Tensor]) -> None:
     """Refuse (ValueError) a message that does not fit the worker's parameters, before
     any of it is applied."""
-    values, indices, set_values = tensors
+    values, indices, set_values = tensors[:3]
     expected = 0
     for param, row, rows, col, cols in meta["blocks"]:
         target = _param(params, param)
@@ -106,7 +131,7 @@ def apply_message(meta: dict, tensors: list[torch.Tensor], params: dict[str, tor
     """Apply a checked message in place to ``params`` (the worker's live parameters by
     vLLM name); ``apply_updates(updates)`` applies its sketch updates (the worker's
     ``sketch_delta.apply_updates_into`` over its own pieces)."""
-    values, indices, set_values = tensors
+    values, indices, set_values = tensors[:3]
     start = 0
     for param, row, rows, col, cols in meta["blocks"]:
         target = params[param]
@@ -125,7 +150,7 @@ def apply_message(meta: dict, tensors: list[torch.Tensor], params: dict[str, tor
             start:start + n].to(target.device)
         start += n
     if meta["updates"]:
-        apply_updates(meta["updates"])
+        apply_updates(received_updates(meta, tensors))
 
 
 def _param(params: dict[str, torch.Tensor], name: str) -> torch.Tensor:

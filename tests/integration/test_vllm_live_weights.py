@@ -23,11 +23,12 @@ against references:
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 import torch
+
+from megatron_logra.testing.shm import leaked_shm, shm_entries
 
 pytestmark = pytest.mark.vllm
 
@@ -124,7 +125,7 @@ def case(request, tmp_path_factory):
     folder = write_tiny_hf_checkpoint(tmp / "hf", family, seed=3, **ARCH[family])
     arch = load_arch(folder)
     weights = {n: t.to(DTYPE) for n, t in load_file(folder / "model.safetensors").items()}
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = shm_entries()
     cfg = EngineConfig(str(folder), max_model_len=64, dtype="bfloat16", kv_cache_gib=0.05,
                        tensor_parallel_size=tp, max_num_seqs=8, load_format="auto")
     server = VllmServer.local(cfg, tmp / "server.log", cuda=False)
@@ -142,8 +143,8 @@ def case(request, tmp_path_factory):
     finally:
         server.close()
     for _ in range(40):
-        leaked_shm = sorted(set(os.listdir("/dev/shm")) - shm_before)
-        if not leaked_shm:
+        leaked = leaked_shm(shm_before)
+        if not leaked:
             break
         time.sleep(0.25)
     reference = {n: t.clone() for n, t in weights.items()}
@@ -152,7 +153,7 @@ def case(request, tmp_path_factory):
                 after_push=after_push, predicted_after=_predicted(arch, tp, reference),
                 changed=[n for n in weights if not torch.equal(weights[n], reference[n])],
                 weights=weights, before=before, after=after, served_version=served_version,
-                refused_in_flight=refused_in_flight, leaked_shm=leaked_shm,
+                refused_in_flight=refused_in_flight, leaked_shm=leaked,
                 expected=_transformers_logprobs(folder, reference, rows))
 
 
