@@ -67,17 +67,16 @@ def _storages(tensors) -> dict[int, int]:
 
 def _optimizer_tensors(megatron_opt):
     """Every tensor a megatron optimizer holds: inner torch state and its fp32 main params."""
-    opts = getattr(megatron_opt, "chained_optimizers", None) or [megatron_opt]
-    for opt in opts:
-        inner = getattr(opt, "optimizer", None)
-        if inner is not None:
-            for state in inner.state.values():
-                yield from (v for v in state.values() if hasattr(v, "untyped_storage"))
-            for group in inner.param_groups:
-                yield from group["params"]  # fp32 main shards (or the params themselves)
-        for attr in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
-            for group in getattr(opt, attr, None) or []:
-                yield from group
+    from megatron_logra.training.megatron_optimizer import (fp32_main_copies, sub_optimizers,
+                                                            torch_optimizers)
+
+    for inner in torch_optimizers(megatron_opt):
+        for state in inner.state.values():
+            yield from (v for v in state.values() if hasattr(v, "untyped_storage"))
+        for group in inner.param_groups:
+            yield from group["params"]  # fp32 main shards (or the params themselves)
+    for sub in sub_optimizers(megatron_opt):
+        yield from fp32_main_copies(sub)
 
 
 def model_state_bytes(objs) -> dict[str, int]:
@@ -87,13 +86,12 @@ def model_state_bytes(objs) -> dict[str, int]:
                        + [b.param_data for b in model.buffers if b.param_data is not None])
     grads = {k: v for k, v in _storages([b.grad_data for b in model.buffers]).items()
              if k not in params}
-    dense_opt = getattr(objs.optimizer, "dense", objs.optimizer)
-    opt = {k: v for k, v in _storages(list(_optimizer_tensors(dense_opt))).items()
+    opt = {k: v for k, v in _storages(list(_optimizer_tensors(objs.dense_optimizer))).items()
            if k not in params and k not in grads}
     out = {"params": sum(params.values()), "grads": sum(grads.values()),
            "dense_optimizer": sum(opt.values())}
-    logra = getattr(objs.optimizer, "state_bytes", None)
-    out.update({f"logra_{k}": v for k, v in (logra() if logra else {}).items()})
+    if objs.logra is not None:
+        out.update({f"logra_{k}": v for k, v in objs.logra.state_bytes().items()})
     out["total"] = sum(out.values())
     return out
 

@@ -1,19 +1,10 @@
 """Scaling a megatron-core optimizer's step after it is taken (megatron-core 0.16.x).
 
-Not a patch: no megatron function is replaced or changed. But it reads megatron-core
-optimizer internals, so it is tied to their layout: ``chained_optimizers`` of a
-``ChainedOptimizer``; of each sub-optimizer the inner torch optimizer's
-``optimizer.param_groups`` (the fp32 main params: shards of the param buffer with the
-distributed optimizer, fp32 copies for bf16 params, the model params themselves for
-fp32 without it) and ``_copy_main_params_to_model_params()``; of
-``Float16OptimizerWithFloat16Params`` ``float16_groups`` / ``fp32_from_float16_groups``;
-of ``DistributedOptimizer`` ``model_float16_groups`` /
-``shard_fp32_from_float16_groups``, ``_get_model_param_range_map(param)["param"]``,
-``data_parallel_group`` and ``model_chunks`` (the DDP chunks' ``start_param_sync``).
-
-Supported: megatron-core 0.16.x (checked against 0.16.1); ``StepScaler`` refuses another
-version (``runtime.versions``, as the patches do; check the attributes above before
-widening its prefix).
+Not a patch: no megatron function is replaced or changed. The optimizer internals it
+needs (sub-optimizers, main params, their fp32 copies, the main -> model copy and the DP
+all-gather) are read through ``training.megatron_optimizer``, the one module tied to
+their layout; ``StepScaler`` refuses another megatron-core version
+(``runtime.versions``, as the patches do).
 
 Why: predicted-KL control needs the update direction before it is applied, and Adam's
 direction exists only once Adam has stepped (its moments advance once, as usual).
@@ -36,32 +27,11 @@ of the stepped model params in their dtype (under LoGRA only the small unsketche
 from __future__ import annotations
 
 import torch
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_logra.runtime import versions
-
-
-def _sub_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _main_params(sub) -> list[torch.Tensor]:
-    return [p for group in sub.optimizer.param_groups for p in group["params"]]
-
-
-def _fp32_copies(sub) -> dict[int, tuple[torch.nn.Parameter, int, int]]:
-    """id(main param) -> (model param, start, end): the mains that are fp32 copies of a
-    lower-precision model param, and which flat range of it each holds."""
-    if isinstance(sub, DistributedOptimizer):
-        out = {}
-        for models, mains in zip(sub.model_float16_groups, sub.shard_fp32_from_float16_groups):
-            for param, main in zip(models, mains):
-                owned = sub._get_model_param_range_map(param)["param"]
-                out[id(main)] = (param, owned.start, owned.end)
-        return out
-    pairs = zip(getattr(sub, "float16_groups", []), getattr(sub, "fp32_from_float16_groups", []))
-    return {id(main): (param, 0, param.numel())
-            for models, mains in pairs for param, main in zip(models, mains)}
+from megatron_logra.training.megatron_optimizer import (copy_main_to_model, data_parallel_group,
+                                                        fp32_copies, gather_model_params,
+                                                        main_params, sub_optimizers)
 
 
 class StepScaler:
@@ -70,10 +40,10 @@ class StepScaler:
     def __init__(self, optimizer, model_params: dict[str, torch.nn.Parameter]):
         """model_params: the stepped model params by name (those that require grad)."""
         versions.require("megatron-core", "megatron_logra.kl.step_scale")
-        self.subs = _sub_optimizers(optimizer)
+        self.subs = sub_optimizers(optimizer)
         self.model_params = model_params
         storages = {p.untyped_storage().data_ptr() for p in model_params.values()}
-        self.mains = [_main_params(sub) for sub in self.subs]
+        self.mains = [main_params(sub) for sub in self.subs]
         # a main param that lives in a model param's storage is restored with the model
         self.shared = [[m.untyped_storage().data_ptr() in storages for m in mains]
                        for mains in self.mains]
@@ -114,14 +84,13 @@ class StepScaler:
         flats = {dtype: torch.zeros(n, dtype=dtype, device=next(iter(
             self.model_params.values())).device) for dtype, n in flats.items()}
         for sub, mains, deltas in zip(self.subs, self.mains, self.main_deltas):
-            copies = _fp32_copies(sub)
+            copies = fp32_copies(sub)
             for main, delta in zip(mains, deltas):
                 if id(main) in copies:
                     param, start, end = copies[id(main)]
                     base = offsets[id(param)]
                     flats[param.dtype][base + start:base + end] = delta.view(-1)
-            if isinstance(sub, DistributedOptimizer):
-                dp_group = sub.data_parallel_group
+            dp_group = data_parallel_group(sub) or dp_group
         if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
             for flat in flats.values():
                 torch.distributed.all_reduce(flat, group=dp_group)
@@ -139,10 +108,8 @@ class StepScaler:
                 else:  # still at new
                     m.sub_(d, alpha=1.0 - alpha)
             if not all(shared):
-                sub._copy_main_params_to_model_params()
-            if isinstance(sub, DistributedOptimizer):
-                for chunk in sub.model_chunks:
-                    chunk.start_param_sync(force_sync=True)
+                copy_main_to_model(sub)
+            gather_model_params(sub)
         self.main_deltas = []
 
     def discard(self) -> None:

@@ -365,9 +365,7 @@ class RLRun:
             record.update(optimizer_steps=len(outs), clip_frac=sums["clipped_tokens"] / n,
                           ppo_kl=sums["ppo_kl_sum"] / n,
                           steps_successful=sum(o.update_successful for o in outs))
-        stats = getattr(self.objs.optimizer, "last_stats", None)
-        if stats:
-            record.update({f"logra_{k}": v for k, v in stats.items() if k != "update"})
+        record.update(self.objs.logra_stats())
         return record
 
     def evaluate(self) -> dict:

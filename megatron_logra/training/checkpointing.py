@@ -26,22 +26,10 @@ from megatron_logra.model.checkpoint_dir import (FORMAT_VERSION, LATEST, META, c
                                                  model_sharded_state_dict, read_meta,
                                                  resolve_load_dir, without_missing_added_params)
 from megatron_logra.runtime.faults import maybe_fail
+from megatron_logra.training.megatron_optimizer import (materialize_adam_state,
+                                                        reload_model_params, torch_optimizers)
 
 _OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-def _megatron_optimizers(optimizer) -> list:
-    """The megatron optimizers inside a ChainedOptimizer (or the optimizer itself); LoGRA's
-    optimizer contributes the dense one it wraps."""
-    optimizer = getattr(optimizer, "dense", optimizer)
-    if optimizer is None:  # LoGRA with every unsketched parameter frozen
-        return []
-    return getattr(optimizer, "chained_optimizers", None) or [optimizer]
-
-
-def _inner_torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
-    return [opt.optimizer for opt in _megatron_optimizers(optimizer)
-            if getattr(opt, "optimizer", None) is not None]
 
 
 def _sharded_state_dict(objs, is_loading: bool, with_optimizer: bool) -> dict:
@@ -282,7 +270,7 @@ def load_checkpoint(load: str | os.PathLike, objs, *, weights_only: bool,
                          f"--finetune")
     check_arch(meta, objs.arch, ckpt)
     if not weights_only:
-        _materialize_optimizer_state(objs.optimizer)
+        materialize_adam_state(objs.dense_optimizer)
     state = _sharded_state_dict(objs, is_loading=True, with_optimizer=not weights_only)
     left_out: set[str] = set()
     if weights_only:  # a base model's checkpoint: LoRA's adapters keep their fresh values
@@ -294,7 +282,7 @@ def load_checkpoint(load: str | os.PathLike, objs, *, weights_only: bool,
     load_state_checked(objs.model, loaded["model"], left_out)
     if not weights_only:
         objs.optimizer.load_state_dict(loaded["optimizer"])
-        for torch_opt in _inner_torch_optimizers(objs.optimizer):
+        for torch_opt in torch_optimizers(objs.dense_optimizer):
             # After load every param shares ONE step tensor; foreach AdamW would then
             # bump it once per param (megatron-core 0.16.1). Give each its own.
             for param_state in torch_opt.state.values():
@@ -302,31 +290,13 @@ def load_checkpoint(load: str | os.PathLike, objs, *, weights_only: bool,
                     param_state["step"] = param_state["step"].clone()
     # Model params changed underneath the optimizer's fp32 main copies: refresh them.
     if weights_only:
-        reload_main_params(objs.optimizer)
+        reload_main_params(objs)
     return (loaded.get("extra") or {}), meta
 
 
-def _materialize_optimizer_state(optimizer) -> None:
-    """Give every param Adam state with one common ``step`` before loading into it.
-
-    megatron-core 0.16.1's DistributedOptimizer.state_dict() asserts a single distinct
-    step, which a never-stepped torch Adam lacks; the values are overwritten by the load.
-    """
-    for torch_opt in _inner_torch_optimizers(optimizer):
-        for group in torch_opt.param_groups:
-            for param in group["params"]:
-                state = torch_opt.state[param]
-                state.setdefault("exp_avg", torch.zeros_like(param))
-                state.setdefault("exp_avg_sq", torch.zeros_like(param))
-                state.setdefault("step", torch.tensor(0.0))
-
-
-def reload_main_params(optimizer) -> None:
-    """Refresh the optimizer's fp32 main copies after the model weights changed underneath."""
-    reload_masters = getattr(optimizer, "reload_masters", None)
-    if reload_masters is not None:
-        reload_masters()
-    for opt in _megatron_optimizers(optimizer):
-        reload = getattr(opt, "reload_model_params", None)
-        if reload is not None:
-            reload()
+def reload_main_params(objs) -> None:
+    """Refresh the optimizers' fp32 main copies (LoGRA's masters, megatron's main params)
+    after the model weights changed underneath."""
+    if objs.logra is not None:
+        objs.logra.reload_masters()
+    reload_model_params(objs.dense_optimizer)

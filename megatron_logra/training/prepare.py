@@ -119,7 +119,7 @@ def prepare_training(cfg: RunConfig) -> Prepared:
             print(f"resumed from {resume} at step {start_step}", flush=True)
     elif ck.load and ck.load_format == "hf":
         load_hf_weights(objs.model, arch, ck.load)
-        checkpointing.reload_main_params(objs.optimizer)
+        checkpointing.reload_main_params(objs)
         if is_logger:
             print(f"loaded HF weights from {ck.load} (each rank read its own slices)", flush=True)
     elif ck.load:

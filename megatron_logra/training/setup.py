@@ -24,7 +24,7 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
-from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_logra.config import OptimizerConfig
@@ -45,9 +45,28 @@ class TrainingObjects:
     """The live objects of one training run (mutable by nature)."""
 
     model: list[DistributedDataParallel]  # one chunk (no virtual pipeline)
-    optimizer: object  # megatron MegatronOptimizer
+    optimizer: MegatronOptimizer | LograOptimizer
+    """What steps: megatron's optimizer (dense Adam; LoRA's adapters), or LoGRA's, which
+    also steps megatron's optimizer over the unsketched params it trains."""
     scheduler: OptimizerParamScheduler
     arch: ModelArch
+
+    @property
+    def logra(self) -> LograOptimizer | None:
+        """LoGRA's optimizer (None for dense Adam and LoRA)."""
+        return self.optimizer if isinstance(self.optimizer, LograOptimizer) else None
+
+    @property
+    def dense_optimizer(self) -> MegatronOptimizer | None:
+        """megatron's optimizer: every trained param (dense Adam, LoRA), or LoGRA's
+        unsketched ones (None when LoGRA freezes them, the paper's setting)."""
+        return self.optimizer.dense if self.logra is not None else self.optimizer
+
+    def logra_stats(self) -> dict[str, float]:
+        """LoGRA's figures of the last step, as metrics (``logra_*``; none without LoGRA)."""
+        if self.logra is None:
+            return {}
+        return {f"logra_{k}": v for k, v in self.logra.last_stats.items() if k != "update"}
 
 
 def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool) -> DistributedDataParallel:

@@ -66,9 +66,7 @@ def _train(cfg: RunConfig, prep, batches: SFTBatches, log: MetricsLog) -> RunRes
                   "tokens": out.tokens, "step_time_s": time.perf_counter() - t0,
                   "peak_mem_bytes": peak_memory_bytes(),
                   "update_successful": out.update_successful}
-        logra_stats = getattr(objs.optimizer, "last_stats", None)
-        if logra_stats:
-            record.update({f"logra_{k}": v for k, v in logra_stats.items() if k != "update"})
+        record.update(objs.logra_stats())
         result.records.append(record)
         log.write(record)
         if (step + 1) % t.log_interval == 0 or step + 1 == t.train_iters:

@@ -101,8 +101,7 @@ def _finite_update(objs, loss_sum: float) -> bool:
     tensors = [buffer.grad_data for chunk in objs.model
                for buffer in getattr(chunk, "buffers", []) +
                getattr(chunk, "expert_parallel_buffers", [])]
-    sketches = getattr(objs.optimizer, "sketch_buffers", None)
-    tensors += sketches() if sketches is not None else []
+    tensors += objs.logra.sketch_buffers() if objs.logra is not None else []
     flag = torch.full((1,), 1.0 if math.isfinite(loss_sum) else 0.0, device=current_device())
     if tensors:  # a sum carries any NaN or inf: one pass, no buffer-sized temporary
         total = torch.stack([t.sum(dtype=torch.float32) for t in tensors]).sum()

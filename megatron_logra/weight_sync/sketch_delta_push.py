@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from megatron_logra.logra.optimizer import LograOptimizer
 from megatron_logra.model.hf_mapping import megatron_param_names
 from megatron_logra.model.provider import canonical_param_names, unwrap
 from megatron_logra.rollout.types import Delivery, Transport
@@ -17,7 +18,7 @@ class SketchDeltaPush:
     def __init__(self, weights: TrainerWeights, optimizer):
         """Collective. ``optimizer``: a ``LograOptimizer`` keeping each update's (D,
         coefficient, seed) (``keep_updates``, set from ``--weight-sync sketch-delta``)."""
-        if not getattr(optimizer, "keep_updates", False):
+        if not (isinstance(optimizer, LograOptimizer) and optimizer.keep_updates):
             raise ValueError("sketch-delta weight sync needs a LograOptimizer that keeps its "
                              "updates (keep_updates): run with --optimizer logra "
                              "--weight-sync sketch-delta")

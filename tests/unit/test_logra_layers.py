@@ -94,12 +94,12 @@ def test_sketched_weights_get_no_dense_gradient_anywhere(setup):
         assert not weight.requires_grad and weight.grad is None
         assert getattr(weight, "main_grad", None) is None and id(weight) not in buffer_params
     # the dense optimizer holds no sketched weight, nor any state tensor of a sketched shape
-    from megatron_logra.training.checkpointing import _inner_torch_optimizers
+    from megatron_logra.training.megatron_optimizer import torch_optimizers
 
     sketched_ids = {id(p) for p in sketched.optimizer.sketches.params}
     shapes = {tuple(p.shape) for p in sketched.optimizer.sketches.params}
     dense_shapes = {tuple(p.shape) for n, p in _named(sketched).items() if p.requires_grad}
-    for torch_opt in _inner_torch_optimizers(sketched.optimizer):
+    for torch_opt in torch_optimizers(sketched.dense_optimizer):
         for group in torch_opt.param_groups:
             for p in group["params"]:
                 assert id(p) not in sketched_ids
