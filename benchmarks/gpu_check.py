@@ -350,7 +350,7 @@ def kl_check(arch, optimizer: str, precision: str) -> dict:
     objs.optimizer.zero_grad()
     forward_backward(objs.model, batch, **kw)
     budget = KL_BUDGETS[precision]
-    kl = PredictedKLStep(KLControlConfig(mode="predicted", budget_start=budget, budget_end=budget),
+    kl = PredictedKLStep(KLControlConfig(control="predicted", budget=budget, budget_final=budget),
                          temperature=1.0, vocab_size=arch.vocab_size)
     ok, _, record = kl.step(objs, 0, batch[0], mismatch=None)
     del objs

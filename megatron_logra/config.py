@@ -1,11 +1,28 @@
 """Typed, frozen run configuration: built once from the CLI (``megatron_logra.cli``).
 
 Each component owns its config dataclass (``logra.config.LograConfig``,
-``lora.config.LoraConfig``, ``rl.config.RLConfig``, ``kl.config.KLControlConfig``, ``weight_sync.config.WeightSyncConfig``,
-``runtime.parallel.ParallelConfig``); this module holds the trainer's own and composes
-them into ``RunConfig``. A field is its flag: its default, its meaning (the string under
-it) and its checks build the command line (``flags``). Each component receives only its
-own slice; nothing below the launcher reads an argparse namespace. No torch, no megatron.
+``lora.config.LoraConfig``, ``rl.config.RLConfig``, ``kl.config.KLControlConfig``,
+``weight_sync.config.WeightSyncConfig``, ``runtime.parallel.ParallelConfig``); this module
+holds the trainer's own and composes them into ``RunConfig``. A field is its flag: its
+default, its meaning (the string under it) and its checks build the command line
+(``flags``). Each component receives only its own slice; nothing below the launcher
+reads an argparse namespace. No torch, no megatron.
+
+Where a rule lives (every refusal is a ValueError naming the flags and the fix):
+
+- a rule on one config's own fields: that config's ``__post_init__``, which first calls
+  ``flags.check_fields`` (each field's declared range and choices); so a config built in
+  code (tests, benchmarks) is refused exactly as the same flags are;
+- a rule across configs (bf16 for LoGRA's bf16-only weights, TE vs LoGRA/LoRA, KL
+  control vs offload/TE, the RL stage vs the optimizer and the sequence length):
+  ``RunConfig.__post_init__``; those that need the world size too (batches that split
+  over data parallel): ``RunConfig.check_world_size``;
+- a rule that needs the model's architecture (TP/PP vs heads and layers, LoGRA's qkv vs
+  kv heads, --seq-length vs max_position_embeddings) or files (--model-dir, --load):
+  ``cli.parse_run_config``, once it has read config.json (``ModelArch.check_parallel``,
+  ``LograConfig.check_fits``);
+- what depends on the machine (CUDA, Transformer Engine installed): where it is built
+  (``training.setup``, ``model.provider``).
 """
 
 from __future__ import annotations
@@ -13,7 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from megatron_logra.flags import flag_spec
+from megatron_logra.flags import check_fields, flag_spec
 from megatron_logra.kl.config import KLControlConfig  # noqa: F401 - the run's sub-configs
 from megatron_logra.logra.config import LograConfig
 from megatron_logra.lora.config import LoraConfig
@@ -30,6 +47,9 @@ class ModelSource:
     one, else the embedded tiny Llama."""
     tokenizer_model: str | None = None
     """A sentencepiece tokenizer.model overriding the folder's tokenizer."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -70,6 +90,24 @@ class OptimizerConfig:
     logra: LograConfig = field(default_factory=LograConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= --min-lr <= --lr, got --lr {self.lr} "
+                             f"--min-lr {self.min_lr}")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise ValueError("--adam-beta1/--adam-beta2 must lie in [0, 1)")
+        if not 0 <= self.optimizer_offload_fraction <= 1:
+            raise ValueError(f"--optimizer-offload-fraction {self.optimizer_offload_fraction} "
+                             f"must lie in [0, 1]")
+        if self.optimizer_cpu_offload and not self.use_distributed_optimizer:
+            raise ValueError("--optimizer-cpu-offload needs --use-distributed-optimizer "
+                             "(megatron-core's precision-aware optimizer, which its offload "
+                             "runs inside, shards the state over DP)")
+        if self.peft == "lora" and self.name != "adam":
+            raise ValueError(f"--peft lora trains its adapters with Adam: use --optimizer adam "
+                             f"(not {self.name}); LoGRA and LoRA are alternatives")
+
 
 @dataclass(frozen=True)
 class TrainingConfig:
@@ -100,6 +138,9 @@ class TrainingConfig:
     sketch or gradient (each skip leaves weights and optimizer state untouched; 0: never
     stop)."""
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -112,6 +153,9 @@ class DataConfig:
     """Items generated per task mixture (split into train and held-out eval)."""
     data_seed: int | None = None
     """Seed of task generation and sample order (default: --seed)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -131,10 +175,16 @@ class CheckpointConfig:
     load: str | None = None
     """Checkpoint directory (or one iter_* folder in it) to resume from, or an HF model
     folder / converted checkpoint to start from (weights only)."""
-    load_format: str = field(default="megatron", metadata=flag_spec(cli=False))
+    load_format: Literal["megatron", "hf"] = field(default="megatron",
+                                                   metadata=flag_spec(cli=False))
     """megatron (a checkpoint folder) | hf (an HF model folder): what --load names."""
     finetune: bool = False
     """With --load: take the weights only (fresh optimizer, step 0)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.finetune and not self.load:
+            raise ValueError("--finetune needs --load")
 
 
 @dataclass(frozen=True)
@@ -151,6 +201,11 @@ class LoggingConfig:
     """The W&B run's name (default: the --output-dir folder's name)."""
     wandb_save_dir: str | None = None
     """Where W&B keeps its run files (default: --output-dir)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if (self.wandb_exp_name or self.wandb_save_dir) and not self.wandb_project:
+            raise ValueError("--wandb-exp-name / --wandb-save-dir need --wandb-project")
 
 
 @dataclass(frozen=True)
@@ -170,8 +225,110 @@ class RunConfig:
     """{flag: {"value", "source"}}: every flag's resolved value and where it came from
     (default, a --config file, or the command line); written to config.json."""
 
+    def __post_init__(self) -> None:
+        """The rules across this run's configs (each config has checked its own)."""
+        check_fields(self)
+        if self.training.stage == "rl":
+            _check_rl(self)
+        else:
+            _check_sft(self)
+        _check_optimizer(self.optimizer, self.training)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse (ValueError) a world size this run's layout or batches do not split over."""
+        dp = self.parallel.data_parallel_size(world_size)
+        training, rl = self.training, self.rl
+        mb = training.micro_batch_size
+        if training.stage == "rl":
+            batch = rl.prompts_per_step * rl.responses_per_prompt
+            if batch % (mb * dp):
+                raise ValueError(f"the RL global batch, --prompts-per-step x "
+                                 f"--responses-per-prompt = {batch}, is not divisible by "
+                                 f"--micro-batch-size x data-parallel size = {mb * dp}")
+            if batch % rl.ppo_minibatches or (batch // rl.ppo_minibatches) % (mb * dp):
+                raise ValueError(f"--ppo-minibatches {rl.ppo_minibatches} must split the "
+                                 f"rollout batch of {batch} responses into minibatches that "
+                                 f"are multiples of --micro-batch-size x data-parallel size = "
+                                 f"{mb * dp}")
+            if rl.kl.control == "predicted" and rl.kl.probe_responses > batch // dp:
+                raise ValueError(f"--kl-probe-responses {rl.kl.probe_responses} exceeds the "
+                                 f"{batch // dp} responses each data-parallel rank trains on")
+        if training.global_batch_size % (mb * dp):
+            raise ValueError(
+                f"--global-batch-size {training.global_batch_size} is not divisible by "
+                f"--micro-batch-size {mb} x data-parallel size {dp} = {mb * dp}; "
+                f"choose a global batch that is a multiple of {mb * dp}")
+
     def to_dict(self) -> dict:
         """The configs (``flag_sources`` left out: config.json writes it on its own)."""
         out = asdict(self)
         out.pop("flag_sources")
         return out
+
+
+def _check_optimizer(opt: OptimizerConfig, training: TrainingConfig) -> None:
+    if opt.name == "logra" and opt.logra.master_weights == "none" and not training.bf16:
+        raise ValueError("--logra-master-weights none keeps bf16 weights only: add --bf16 "
+                         "(fp32 parameters are their own master)")
+    if training.transformer_impl == "transformer_engine" and (opt.name == "logra"
+                                                               or opt.peft == "lora"):
+        feature = "LoGRA's sketched" if opt.name == "logra" else "LoRA's adapted"
+        raise ValueError(f"--transformer-impl transformer_engine: {feature} linears are "
+                         f"megatron-core's local Column/RowParallelLinear; use "
+                         f"--transformer-impl local (or auto)")
+
+
+def _check_sft(cfg: RunConfig) -> None:
+    from megatron_logra.data.tasks import MATH
+
+    if any(name == MATH for name, _ in cfg.data.tasks):
+        raise ValueError(f"--task: {MATH!r} has no SFT targets here; SFT takes reasoning-gym "
+                         "tasks (use it with --stage rl)")
+
+
+def _check_rl(cfg: RunConfig) -> None:
+    """``--stage rl`` against the optimizer, precision, layers and sequence length."""
+    rl, opt, training = cfg.rl, cfg.optimizer, cfg.training
+    transport = rl.weight_sync.transport
+    if transport == "sketch-delta":
+        _check_sketch_delta(cfg)
+    if transport == "lora-adapter" and opt.peft != "lora":
+        raise ValueError("--weight-sync lora-adapter sends a LoRA adapter to vLLM: it needs "
+                         "--peft lora (use --weight-sync full otherwise)")
+    if training.seq_length < rl.max_new_tokens + 8:
+        raise ValueError(f"--seq-length {training.seq_length} leaves no room for prompts with "
+                         f"--max-new-tokens {rl.max_new_tokens}; raise --seq-length")
+    if rl.kl.control == "predicted" and opt.optimizer_cpu_offload:
+        raise ValueError("--kl-control predicted with --optimizer-cpu-offload: the control "
+                         "scales the update on the GPU's master params, while the offloaded "
+                         "optimizer keeps its own host copy, which would stay unscaled; drop "
+                         "one of them (colocated runs fit the engine without offload under "
+                         "LoGRA: benchmarks/results/memory_plan.md)")
+    if rl.kl.control == "predicted" and training.transformer_impl == "transformer_engine":
+        raise ValueError("--kl-control predicted with --transformer-impl transformer_engine: "
+                         "the KL tangent is carried through megatron-core's local linears "
+                         "only; use --transformer-impl local (or auto, which builds local "
+                         "under predicted-KL control)")
+
+
+def _check_sketch_delta(cfg: RunConfig) -> None:
+    """sketch-delta keeps the engine bit-identical to the trainer only when both apply the
+    same bf16 update with the same rounding bits; anything else drifts (every fingerprint
+    fails, or silently without verification), so it is refused before any work."""
+    opt = cfg.optimizer
+    if opt.name != "logra":
+        raise ValueError("--weight-sync sketch-delta sends LoGRA's low-rank updates: it needs "
+                         "--optimizer logra (use --weight-sync full with Adam)")
+    inexact = [flag for flag, bad in (
+        ("--bf16 (the trainer's weights are fp32)", not cfg.training.bf16),
+        ("--logra-master-weights none (an fp32 master rounds differently from the engine)",
+         opt.logra.master_weights != "none"),
+        ("--rollout-dtype bfloat16 (an fp32 engine cannot hold the trainer's bf16 result)",
+         cfg.rl.rollout_dtype != "bfloat16"),
+        ("--logra-projection rademacher (Gaussian entries are not exact in fp64 products)",
+         opt.logra.projection != "rademacher")) if bad]
+    if inexact:
+        raise ValueError("--weight-sync sketch-delta keeps the engine bit-exact only with "
+                         "--bf16 --logra-master-weights none --rollout-dtype bfloat16 and "
+                         "Rademacher projections; missing: " + "; ".join(inexact) +
+                         ". Add them, or use --weight-sync sparse-delta or full")

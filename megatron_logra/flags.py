@@ -2,9 +2,10 @@
 
 Each component owns a frozen config dataclass whose fields carry their default and,
 in the string under the field, their meaning (as megatron-core documents its own
-configs). ``add_flags(parser, Config, prefix)`` turns the fields into argparse flags:
+configs). ``add_flags(parser, Config)`` turns the fields into argparse flags:
 
-- the flag is ``--{prefix}{field-name}`` unless ``flag_spec(flag="--other")`` names it;
+- the flag is ``--{FLAG_PREFIX}{field-name}`` (``FLAG_PREFIX``: the class's, e.g.
+  ``"logra-"``; none by default) unless ``flag_spec(flag="--other")`` names it;
 - its help is the field's docstring (read from the class source), its default the
   field's default (or ``flag_spec(cli_default=...)`` where the CLI derives the value);
 - ``Literal[...]`` and ``StrEnum`` give choices, ``bool`` gives ``--x`` (``--x/--no-x``
@@ -13,8 +14,13 @@ configs). ``add_flags(parser, Config, prefix)`` turns the fields into argparse f
 - ``flag_spec(minimum=m)`` refuses values below m, ``flag_spec(zero_is_none=True)``
   maps 0 to None (``--tis-cap 0``: off);
 - nested dataclass fields and ``flag_spec(cli=False)`` fields are not flags.
-``from_flags(Config, args, prefix, **derived)`` builds the config back from the parsed
-namespace. Nothing here imports torch or megatron.
+``from_flags(Config, args, **derived)`` builds the config back from the parsed
+namespace.
+
+Every config checks itself when it is built, from flags or in code alike: its
+``__post_init__`` calls ``check_fields(self)`` (each field's declared range and choices,
+the messages naming the flag) and then its own rules. Nothing here imports torch or
+megatron.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ _KEY = "megatron_logra.flag"
 
 
 class FlagError(ValueError):
-    """A flag value out of range (the message names the flag and the fix)."""
+    """A config field outside its declared range or choices (the message names the flag)."""
 
 
 def flag_spec(*, flag: str | None = None, cli: bool = True, cli_default=dataclasses.MISSING,
@@ -63,13 +69,27 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def flag_name(cls: type, name: str, prefix: str = "") -> str:
+def flag_prefix(cls: type) -> str:
+    """What the class's flags start with after ``--`` (its ``FLAG_PREFIX``; none by default)."""
+    return getattr(cls, "FLAG_PREFIX", "")
+
+
+def flag_name(cls: type, name: str) -> str:
     f = {f.name: f for f in dataclasses.fields(cls)}[name]
-    return _spec(f)["flag"] or f"--{prefix}{name.replace('_', '-')}"
+    return _spec(f)["flag"] or f"--{flag_prefix(cls)}{name.replace('_', '-')}"
+
+
+@cache
+def _hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _dest(cls: type, name: str) -> str:
+    return f"{flag_prefix(cls)}{name}".replace("-", "_")
 
 
 def _flag_fields(cls: type):
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         if not _spec(f)["cli"] or (isinstance(kind, type) and dataclasses.is_dataclass(kind)):
@@ -96,15 +116,14 @@ def _unwrap_optional(kind):
     return kind
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
-              title: str | None = None) -> None:
+def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = None) -> None:
     """Add ``cls``'s fields as flags, in one argument group titled ``title``."""
     group = parser.add_argument_group(title or cls.__name__)
     docs = field_docs(cls)
     for f, kind in _flag_fields(cls):
         spec, base = _spec(f), _unwrap_optional(kind)
         kwargs: dict = {"default": _default(f), "help": docs.get(f.name, ""),
-                        "dest": f"{prefix}{f.name}".replace("-", "_")}
+                        "dest": _dest(cls, f.name)}
         if spec["parse"] is not None:
             kwargs["type"] = spec["parse"]
         elif base is bool:  # off by default: --x; on by default: --x / --no-x
@@ -119,20 +138,47 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
         else:
             raise TypeError(f"{cls.__name__}.{f.name}: no flag type for {kind}; give "
                             f"flag_spec(parse=...) or cli=False")
-        group.add_argument(flag_name(cls, f.name, prefix), **kwargs)
+        group.add_argument(flag_name(cls, f.name), **kwargs)
 
 
-def from_flags(cls: type, args: argparse.Namespace, prefix: str = "", **derived):
-    """``cls`` from the parsed flags (checked), with ``derived`` fields given by the caller."""
+def from_flags(cls: type, args: argparse.Namespace, **derived):
+    """``cls`` from the parsed flags, with ``derived`` fields given by the caller; the class
+    checks itself (``check_fields`` and its own rules: ValueError naming the flag)."""
     values = {}
     for f, _ in _flag_fields(cls):
-        value = getattr(args, f"{prefix}{f.name}".replace("-", "_"))
-        spec = _spec(f)
-        if spec["minimum"] is not None and value is not None and value < spec["minimum"]:
-            raise FlagError(f"{flag_name(cls, f.name, prefix)} must be >= {spec['minimum']}, "
-                            f"got {value}")
-        if spec["zero_is_none"] and value == 0:
+        value = getattr(args, _dest(cls, f.name))
+        if _spec(f)["zero_is_none"] and value == 0:
             value = None
         values[f.name] = value
     values.update(derived)
     return cls(**values)
+
+
+def _choices(kind) -> tuple | None:
+    base = _unwrap_optional(kind)
+    if typing.get_origin(base) is typing.Literal:
+        return typing.get_args(base)
+    if isinstance(base, type) and issubclass(base, enum.Enum):
+        return tuple(base)
+    return None
+
+
+def check_fields(config) -> None:
+    """Refuse (``FlagError``) a field of ``config`` outside what it declares: a
+    ``Literal``/enum value not among its choices, a value below ``flag_spec(minimum=...)``,
+    or 0 where the flag's 0 means None (``zero_is_none``). Every config's ``__post_init__``
+    calls it, so a config built in code is refused as the same flags would be."""
+    cls = type(config)
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        value, spec = getattr(config, f.name), _spec(f)
+        if value is None or dataclasses.is_dataclass(value):
+            continue
+        flag = flag_name(cls, f.name) if spec["cli"] else f"{cls.__name__}.{f.name}"
+        choices = _choices(hints[f.name])
+        if choices is not None and value not in choices:
+            raise FlagError(f"{flag} {value!r}: choose from {', '.join(map(str, choices))}")
+        if spec["minimum"] is not None and value < spec["minimum"]:
+            raise FlagError(f"{flag} must be >= {spec['minimum']}, got {value}")
+        if spec["zero_is_none"] and value == 0:
+            raise FlagError(f"{flag}: 0 is how the command line says None; in code, give None")

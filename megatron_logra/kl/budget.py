@@ -7,7 +7,7 @@ of the tempered logits along the update:
 
 so KL(p(theta) || p(theta + alpha dtheta)) ~= alpha^2 K. The step scale is
 alpha = min(alpha_max, sqrt(budget / K)) (1 when K = 0). The budget follows a cosine
-from ``budget_start`` (update 0) to ``budget_end`` (reached at update ``budget_steps``
+from ``budget`` (update 0) to ``budget_final`` (reached at update ``budget_steps``
 - 1, as the reference's schedule), minus the rollout/trainer mismatch m
 (m <- 0.7 m + 0.3 max(0, mean(gen - prev))), never below half the scheduled budget.
 
@@ -102,10 +102,11 @@ def step_scale(k: float, budget: float, alpha_max: float) -> float:
 
 
 def scheduled_budget(cfg: KLControlConfig, update: int) -> float:
-    """The cosine budget at ``update`` (0-based): budget_start at update 0, budget_end from
-    update budget_steps - 1 on (the reference's ``scheduled_budget``)."""
+    """The cosine budget at ``update`` (0-based): ``budget`` at update 0, ``budget_final``
+    from update budget_steps - 1 on (the reference's ``scheduled_budget``)."""
     frac = min(update / max(cfg.budget_steps - 1, 1), 1.0)
-    return cfg.budget_end + 0.5 * (cfg.budget_start - cfg.budget_end) * (1 + math.cos(math.pi * frac))
+    return cfg.budget_final + 0.5 * (cfg.budget - cfg.budget_final) * (
+        1 + math.cos(math.pi * frac))
 
 
 @dataclass

@@ -1,23 +1,25 @@
-"""The predicted-KL step control's settings (``--kl-control``); no torch, no megatron."""
+"""The predicted-KL step control's settings (``--kl-*``), checked when built; no torch, no
+megatron."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
-from megatron_logra.flags import flag_spec
+from megatron_logra.flags import check_fields, flag_spec
 
 
 @dataclass(frozen=True)
 class KLControlConfig:
     """Predicted-KL step control (docs/method.md, section 3)."""
 
-    mode: Literal["none", "predicted"] = field(default="none",
-                                              metadata=flag_spec(flag="--kl-control"))
+    FLAG_PREFIX: ClassVar[str] = "kl-"
+
+    control: Literal["none", "predicted"] = "none"
     """Scale every update so its predicted KL meets the budget (predicted), or not (none)."""
-    budget_start: float = field(default=2e-4, metadata=flag_spec(flag="--kl-budget"))
+    budget: float = 2e-4
     """KL budget at the first update, cosine-decayed ..."""
-    budget_end: float = field(default=2e-5, metadata=flag_spec(flag="--kl-budget-final"))
+    budget_final: float = 2e-5
     """... to this budget ..."""
     budget_steps: int = field(default=300, metadata=flag_spec(minimum=1))
     """... over this many updates (the final budget is reached at update N - 1)."""
@@ -33,3 +35,10 @@ class KLControlConfig:
     --no-kl-mismatch-adjust: the budget schedule alone, m still measured and logged)."""
     mismatch_decay: float = field(default=0.7, metadata=flag_spec(cli=False))
     """m <- decay m + (1 - decay) max(0, mean(gen - prev)) (the reference's constant)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not 0 < self.budget_final <= self.budget:
+            raise ValueError("need 0 < --kl-budget-final <= --kl-budget")
+        if self.alpha_max <= 0:
+            raise ValueError("--kl-alpha-max must be > 0")

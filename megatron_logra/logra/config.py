@@ -1,18 +1,23 @@
 """LoGRA's settings (``--optimizer logra``, flags ``--logra-*``): sketches and RowAdam.
 
-No torch, no megatron: the run config is built from these before anything heavy.
-``training.setup`` splits them into ``logra.sketches.SketchConfig`` and
-``logra.optimizer.RowAdamConfig``; the defaults live here only.
+No torch, no megatron: the run config is built from these before anything heavy, and
+checks itself (``__post_init__``). ``training.setup`` hands it as it is to the sketches
+(``logra.sketches.SketchSet``) and RowAdam (``logra.optimizer.LograOptimizer``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
-from megatron_logra.flags import flag_spec
+from megatron_logra.flags import check_fields, flag_spec
+from megatron_logra.model.arch import LINEAR_TARGETS
 
-DEFAULT_TARGETS = ("qkv", "proj", "fc1", "fc2")
+DEFAULT_TARGETS = LINEAR_TARGETS
+TARGETS = LINEAR_TARGETS + ("embedding", "output")
+"""What ``--logra-targets`` may name: a layer's linears, and the word embedding and the
+output layer (``embedding``/``output``; when they are tied, one matrix, either target
+sketches both uses)."""
 
 
 def parse_targets(spec: str) -> tuple[str, ...]:
@@ -22,6 +27,8 @@ def parse_targets(spec: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class LograConfig:
     """LoGRA's sketch and RowAdam settings (``--optimizer logra``)."""
+
+    FLAG_PREFIX: ClassVar[str] = "logra-"
 
     rank: int = 256
     """Sketch rank r per weight (the paper uses 256)."""
@@ -57,3 +64,34 @@ class LograConfig:
     keep_updates: bool = field(default=False, metadata=flag_spec(cli=False))
     """Keep each update's (D, coefficient, seed) for a receiver: set (not a flag) when
     --weight-sync sketch-delta sends them to the rollout engine."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown or not self.targets:
+            raise ValueError(f"--logra-targets {','.join(self.targets)!r}: choose a comma list "
+                             f"from {','.join(TARGETS)}")
+        if self.rank < 1:
+            raise ValueError(f"--logra-rank {self.rank} must be >= 1 (the paper uses 256)")
+        if self.refresh_interval < 1:
+            raise ValueError(f"--logra-refresh-interval {self.refresh_interval} must be >= 1")
+        if not 0.0 <= self.beta2 < 1.0:
+            raise ValueError(f"--logra-beta2 {self.beta2} must be in [0, 1)")
+        if self.update_ratio is not None and self.update_ratio < 0:
+            raise ValueError(f"--logra-update-ratio {self.update_ratio} must be > 0 "
+                             f"(the reference runs use 6e-5), or 0 to step by --lr")
+        if self.master_weights == "none" and self.update_factor_dtype != "bfloat16":
+            raise ValueError("--logra-master-weights none applies bf16 factors (the exact, "
+                             "reproducible update a rollout engine repeats): drop "
+                             "--logra-update-factor-dtype float32 or keep an fp32 master")
+
+    def check_fits(self, num_kv_heads: int, tensor_parallel_size: int) -> None:
+        """Refuse (ValueError) targets the layout cannot sketch: qkv needs TP <= the model's
+        kv heads. Asked where the architecture is known: the CLI, once it has read the
+        model's config.json, and ``memory.projection.cli_accepts``."""
+        tp = tensor_parallel_size
+        if "qkv" in self.targets and num_kv_heads < tp:
+            raise ValueError(f"LoGRA cannot sketch linear_qkv when num_key_value_heads "
+                             f"({num_kv_heads}) < TP ({tp}): megatron replicates the kv heads "
+                             f"over TP ranks; use --tensor-model-parallel-size <= "
+                             f"{num_kv_heads} or drop qkv from --logra-targets")

@@ -44,30 +44,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_logra.logra import row_adam
+from megatron_logra.logra.config import LograConfig
 from megatron_logra.logra.low_rank_apply import apply_bf16_update
 from megatron_logra.logra.row_shards import RowShard, all_gather_rows, plan_row_shard
 from megatron_logra.logra.sketched_linear import SketchSlot
 from megatron_logra.logra.sketches import EMBEDDING, SketchSet
 from megatron_logra.runtime.phase_times import PHASES
 
-MASTER_MODES = ("fp32", "none")
 FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-@dataclass(frozen=True)
-class RowAdamConfig:
-    """Built from ``LograConfig`` (whose fields hold the defaults and their meaning)."""
-
-    beta2: float
-    eps: float
-    update_ratio: float | None  # None: the step is the learning rate
-    master_weights: str  # for bf16 params: "fp32" master copy | "none" (SR)
-    norm_restoration: bool  # D_m rescaled to ||S_m|| per HF module
-    update_factor_dtype: str  # alpha c D rounded to this before it is applied
-    chunk_rows: int = row_adam.DEFAULT_CHUNK_ROWS
-    shard_over_dp: bool = False  # row-aligned DP sharding (with --use-distributed-optimizer)
-    lr: float = 0.0  # the schedule's peak, when no dense optimizer carries param groups
-    keep_updates: bool = False  # keep each update's (D, coefficient, seed): sketch-delta sync
 
 
 @dataclass
@@ -92,20 +76,18 @@ class LograOptimizer:
     """RowAdam over a ``SketchSet`` (+ the dense megatron optimizer, if any); megatron's
     optimizer API."""
 
-    def __init__(self, dense, sketches: SketchSet, cfg: RowAdamConfig):
-        if cfg.master_weights not in MASTER_MODES:
-            raise ValueError(f"--logra-master-weights {cfg.master_weights!r}: choose from "
-                             f"{MASTER_MODES}")
-        if cfg.update_factor_dtype not in FACTOR_DTYPES:
-            raise ValueError(f"--logra-update-factor-dtype {cfg.update_factor_dtype!r}: choose "
-                             f"from {tuple(FACTOR_DTYPES)}")
-        if cfg.master_weights == "none" and cfg.update_factor_dtype != "bfloat16":
-            raise ValueError("--logra-master-weights none needs bf16 update factors")
+    def __init__(self, dense, sketches: SketchSet, cfg: LograConfig, *, lr: float,
+                 shard_over_dp: bool = False):
+        """``cfg``: the run's LoGRA settings (RowAdam's beta2, eps, update ratio, master
+        weights, norm restoration, factor dtype, keep_updates; checked when built); ``lr``:
+        the schedule's peak, the step size when no dense optimizer carries param groups;
+        ``shard_over_dp``: row-aligned DP sharding (--use-distributed-optimizer)."""
         self.dense, self.sketches, self.cfg = dense, sketches, cfg
+        self.shard_over_dp = shard_over_dp
         # without a dense optimizer the scheduler drives these groups (the lr step size)
-        self._groups = [{"lr": cfg.lr, "weight_decay": 0.0, "params": []}]
+        self._groups = [{"lr": lr, "weight_decay": 0.0, "params": []}]
         dp_size, dp_rank = 1, 0
-        if cfg.shard_over_dp:
+        if shard_over_dp:
             dp_size = parallel_state.get_data_parallel_world_size()
             dp_rank = parallel_state.get_data_parallel_rank()
         self.shards = [plan_row_shard(p.shape[0], s.gated_halves, dp_size, dp_rank)
@@ -181,7 +163,7 @@ class LograOptimizer:
         is -c D A (``kl/weight_tangent``). With DP sharding each rank computed D for its own
         rows only: the rows are all-gathered into the sketch buffers first (the step reads
         its own)."""
-        if self.cfg.shard_over_dp:
+        if self.shard_over_dp:
             group = parallel_state.get_data_parallel_group()
             for slot, shard in zip(self.sketches.slots, self.shards):
                 all_gather_rows(slot.sketch, shard, group)
@@ -283,7 +265,7 @@ class LograOptimizer:
             d = shard.take(slot.sketch)
             master = self.masters[i]
             weight_sq = sum(row_adam.weight_sq_norm(
-                param[rows] if master is None else master[state_rows], self.cfg.chunk_rows)
+                param[rows] if master is None else master[state_rows])
                 for rows, state_rows in shard.pieces())
             nonzero = _active_rows(d) if slot.name == EMBEDDING else None
             update_sq = float(row_adam.update_sq_norm(d if nonzero is None else d[nonzero],
@@ -328,7 +310,7 @@ class LograOptimizer:
         rounded first; DP-sharded rows all-gathered after."""
         cfg, sk = self.cfg, self.sketches
         factor_dtype = FACTOR_DTYPES[cfg.update_factor_dtype]
-        dp_group = parallel_state.get_data_parallel_group() if cfg.shard_over_dp else None
+        dp_group = parallel_state.get_data_parallel_group() if self.shard_over_dp else None
         for i, (param, slot, shard) in enumerate(zip(sk.params, sk.slots, self.shards)):
             seed = sk.seed_of(slot, update)
             applied = coefficient
@@ -359,11 +341,9 @@ class LograOptimizer:
         if master is None and param.dtype == torch.bfloat16 and cfg.master_weights == "none":
             apply_bf16_update(block, d, coefficient, seed, rank=self.sketches.cfg.rank,
                               kind=self.sketches.cfg.projection, global_rows=global_rows,
-                              col_offset=slot.col_offset, projection=slot.projection,
-                              chunk_rows=cfg.chunk_rows)
+                              col_offset=slot.col_offset, projection=slot.projection)
         else:  # an fp32 master, or fp32 params
-            row_adam.apply_low_rank_update(block, d, slot.projection, coefficient,
-                                           chunk_rows=cfg.chunk_rows, exact=False)
+            row_adam.apply_low_rank_update(block, d, slot.projection, coefficient, exact=False)
         if active is not None:
             target[active] = block
         if master is not None:

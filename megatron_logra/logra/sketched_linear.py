@@ -43,7 +43,8 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-from megatron_logra.model.provider import LINEAR_TARGETS, replace_linears
+from megatron_logra.logra.config import TARGETS
+from megatron_logra.model.provider import replace_linears
 from megatron_logra.runtime import versions
 
 
@@ -199,10 +200,6 @@ class SketchedRowParallelLinear(_SketchedMatmulMixin, RowParallelLinear):
 
 
 SKETCHED_TYPES = (SketchedColumnParallelLinear, SketchedRowParallelLinear)
-LAYER_TARGETS = LINEAR_TARGETS
-TARGETS = LAYER_TARGETS + ("embedding", "output")
-"""``embedding``/``output``: the word embedding and the output layer; when they are tied
-(one matrix) either target sketches both uses."""
 
 
 def sketch_embedding_and_output(model, targets: tuple[str, ...]) -> None:
@@ -219,10 +216,8 @@ def sketch_embedding_and_output(model, targets: tuple[str, ...]) -> None:
 
 
 def sketched_layer_spec(spec, targets: tuple[str, ...] = TARGETS):
-    """The local GPT layer spec with the chosen linears replaced by their sketched versions."""
+    """The local GPT layer spec with the chosen linears replaced by their sketched versions
+    (``targets``: ``LograConfig.targets``, checked there)."""
     versions.require("megatron-core", "megatron_logra.logra.sketched_linear")
-    unknown = sorted(set(targets) - set(TARGETS))
-    if unknown:
-        raise ValueError(f"--logra-targets {unknown}: choose from {list(TARGETS)}")
     return replace_linears(spec, targets, SketchedColumnParallelLinear,
                            SketchedRowParallelLinear)

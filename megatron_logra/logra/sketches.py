@@ -20,12 +20,11 @@ belongs to (``module_rows``), for RowAdam's per-module statistics.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_logra.logra.config import LograConfig
 from megatron_logra.logra.projection import parameter_seed, projection_block
 from megatron_logra.logra.sketched_linear import (
     SKETCHED_TYPES,
@@ -37,16 +36,6 @@ from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.hf_mapping import row_segments
 
 EMBEDDING = "embedding.word_embeddings.weight"
-
-
-@dataclass(frozen=True)
-class SketchConfig:
-    """Built from ``LograConfig`` (whose fields hold the defaults) and the run's seed."""
-
-    rank: int  # r: sketch columns per weight
-    projection: str  # rademacher | gaussian
-    refresh_interval: int  # new A every N updates
-    seed: int  # base seed of every projection
 
 
 def _canonical_rows(module, name: str, out_local: int, tp_rank: int, tp_size: int,
@@ -110,8 +99,11 @@ def _embedding_and_output(chunk) -> list[tuple[str, torch.nn.Module, bool, bool]
 class SketchSet:
     """Every sketched weight of this rank, in a fixed order (by canonical name)."""
 
-    def __init__(self, chunks: list[torch.nn.Module], cfg: SketchConfig, arch: ModelArch):
-        self.cfg = cfg
+    def __init__(self, chunks: list[torch.nn.Module], cfg: LograConfig, arch: ModelArch, *,
+                 seed: int):
+        """``cfg``: the run's LoGRA settings (rank, projection, refresh interval);
+        ``seed``: the run's, the base of every projection's seed."""
+        self.cfg, self.seed = cfg, seed
         self.num_tokens = 1.0  # global loss tokens of the last reduce()
         self.gated = any(bool(c.config.gated_linear_unit) for c in chunks)
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -168,7 +160,7 @@ class SketchSet:
         return (update // self.cfg.refresh_interval) * self.cfg.refresh_interval
 
     def seed_of(self, slot: SketchSlot, update: int) -> int:
-        return parameter_seed(self.cfg.seed, self.projection_update(update), slot.name)
+        return parameter_seed(self.seed, self.projection_update(update), slot.name)
 
     def _projection_dtype(self, weight: torch.Tensor) -> torch.dtype:
         """The weight's dtype when it holds A exactly (Rademacher +-2^-k: r a power of 4),

@@ -1,16 +1,24 @@
-"""LoRA's settings (``--peft lora``, flags ``--lora-*``); no torch, no megatron."""
+"""LoRA's settings (``--peft lora``, flags ``--lora-*``), checked when built; no torch, no
+megatron."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from megatron_logra.flags import flag_spec
+from megatron_logra.flags import check_fields, flag_spec
 from megatron_logra.logra.config import DEFAULT_TARGETS, parse_targets
+from megatron_logra.model.arch import LINEAR_TARGETS
+
+TARGETS = LINEAR_TARGETS
+"""What ``--lora-targets`` may name: a layer's linears."""
 
 
 @dataclass(frozen=True)
 class LoraConfig:
     """Low-rank adapters W + (alpha / r) B A on the targeted linears; the base is frozen."""
+
+    FLAG_PREFIX: ClassVar[str] = "lora-"
 
     rank: int = field(default=16, metadata=flag_spec(minimum=1))
     """Adapter rank r (PEFT's ``r``)."""
@@ -23,3 +31,12 @@ class LoraConfig:
                                      metadata=flag_spec(parse=parse_targets))
     """Comma list of adapted linears: qkv, proj, fc1, fc2 (PEFT's ``target_modules``, in
     megatron's fused names: qkv is q, k and v; fc1 is gate and up)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown or not self.targets:
+            raise ValueError(f"--lora-targets {','.join(self.targets)!r}: choose a comma list "
+                             f"from {','.join(TARGETS)}")
+        if self.dropout >= 1:
+            raise ValueError(f"--lora-dropout {self.dropout} must be in [0, 1)")

@@ -36,10 +36,9 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
 )
 
-from megatron_logra.model.provider import LINEAR_TARGETS, param_generator, replace_linears
+from megatron_logra.lora.config import TARGETS
+from megatron_logra.model.provider import param_generator, replace_linears
 from megatron_logra.runtime import versions
-
-TARGETS = LINEAR_TARGETS
 
 
 class _LoraMixin:
@@ -133,10 +132,8 @@ def lora_layer_class(base: type, rank: int, alpha: float, dropout: float) -> typ
 
 def lora_layer_spec(spec, rank: int, alpha: float, dropout: float,
                     targets: tuple[str, ...] = TARGETS):
-    """The local GPT layer spec with the chosen linears replaced by their LoRA versions."""
-    unknown = sorted(set(targets) - set(TARGETS))
-    if unknown or not targets:
-        raise ValueError(f"--lora-targets {unknown}: choose from {list(TARGETS)}")
+    """The local GPT layer spec with the chosen linears replaced by their LoRA versions
+    (``targets``: ``LoraConfig.targets``, checked there)."""
     column = lora_layer_class(ColumnParallelLinear, rank, alpha, dropout)
     row = lora_layer_class(RowParallelLinear, rank, alpha, dropout)
     return replace_linears(spec, targets, column, row)

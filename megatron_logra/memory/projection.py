@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import math
 
-from megatron_logra.cli import check_logra_fits
 from megatron_logra.logra.config import LograConfig
 from megatron_logra.memory.inventory import ROLES, model_of, rank_params
 from megatron_logra.memory.rank_bytes import plan
 from megatron_logra.rollout.engine_memory import ENGINE_OVERHEAD_BYTES, GIB
-from megatron_logra.runtime.parallel import ParallelConfig
 
 PAPER_TABLE1 = {"1.5B": {"dense_adam": 9.18, "logra": 7.18}, "7B": {"dense_adam": 31.82,
                 "logra": 17.29}, "27B": {"dense_adam": "OOM", "logra": 51.54}}  # avg GiB/GPU
@@ -66,14 +64,14 @@ def validate(measured: dict) -> dict:
 def cli_accepts(shape: str, tp: int, pp: int, method: str) -> bool:
     """Whether the trainer's CLI takes this TP/PP layout of ``shape`` for ``method``, by the
     CLI's own checks: the model splits that way (``ModelArch.check_parallel``) and, under
-    LoGRA on the targets ``ROLES``, the sketches fit the layout (``cli.check_logra_fits``:
+    LoGRA on the targets ``ROLES``, the sketches fit the layout (``LograConfig.check_fits``:
     qkv needs TP <= kv heads)."""
     arch, _ = model_of(shape)
     try:
         arch.check_parallel(tp, pp)
         if method == "logra":
-            check_logra_fits(LograConfig(targets=ROLES), arch, ParallelConfig(tp, pp))
-    except ValueError:  # cli.ConfigError is one
+            LograConfig(targets=ROLES).check_fits(arch.num_kv_heads, tp)
+    except ValueError:
         return False
     return True
 

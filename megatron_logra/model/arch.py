@@ -17,6 +17,11 @@ VOCAB_PAD_MULTIPLE = 128
 """Padded vocab = vocab rounded up to this multiple, independent of TP, fixed once so
 checkpoints reshard (a multiple of 128 divides evenly by every power-of-two TP <= 128)."""
 
+LINEAR_TARGETS = ("qkv", "proj", "fc1", "fc2")
+"""A transformer layer's linears a feature may replace (``--logra-targets``,
+``--lora-targets``): column-parallel qkv and fc1, row-parallel proj and fc2
+(``model.provider.replace_linears``)."""
+
 _FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 # megatron-core's Llama-3 rope scaling hard-codes these (rotary_pos_embedding.py).

@@ -110,11 +110,6 @@ def transformer_config(arch: ModelArch, build: ModelBuildConfig) -> TransformerC
     )
 
 
-LINEAR_TARGETS = ("qkv", "proj", "fc1", "fc2")
-"""A transformer layer's linears a feature may replace: column-parallel qkv and fc1,
-row-parallel proj and fc2."""
-
-
 def replace_linears(spec: ModuleSpec, targets: tuple[str, ...], column: type,
                     row: type) -> ModuleSpec:
     """The local layer ``spec`` with the ``targets`` linears built as ``column`` (qkv, fc1)

@@ -1,7 +1,10 @@
 """The RL stage's settings (``--stage rl``): rollouts, rewards, advantages, evaluation.
 
 No torch, no megatron. Weight sync (``weight_sync.config``) and predicted-KL control
-(``kl.config``) own their settings; ``RLConfig`` holds them as its ``sync`` and ``kl``.
+(``kl.config``) own their settings; ``RLConfig`` holds them as its ``weight_sync`` and
+``kl`` (each named as its flags begin: ``--weight-sync-*``, ``--kl-*``). Each checks
+itself when built (``__post_init__``); the rules that need another slice of the run
+(optimizer, batch, layout) are ``config.RunConfig``'s.
 """
 
 from __future__ import annotations
@@ -9,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_logra.weight_sync.config import WeightSyncConfig
-from megatron_logra.flags import flag_spec
+from megatron_logra.flags import check_fields, flag_spec
 from megatron_logra.kl.config import KLControlConfig
+from megatron_logra.rollout.placement import check_placement_flags
+from megatron_logra.weight_sync.config import WeightSyncConfig
 
 _POSITIVE = flag_spec(minimum=1)
 
@@ -57,8 +61,7 @@ class RLConfig:
     one is 1), as the paper's running-baseline REINFORCE."""
     reward: Literal["binary", "partial"] = "binary"
     """Binary correctness (score == 1) or the scorer's partial credit."""
-    verifier_timeout_s: float = field(default=10.0,
-                                      metadata=flag_spec(flag="--verifier-timeout"))
+    verifier_timeout: float = 10.0
     """Seconds per scored answer (a timeout scores 0)."""
     eval_interval: int = field(default=0, metadata=flag_spec(minimum=0))
     """Updates between evaluations (0: only before and after training)."""
@@ -114,8 +117,67 @@ class RLConfig:
     docs/usage.md shows: VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config
     '{"backend": "mlogra"}'); the trainer pushes its weights into it through vLLM's RL
     weight-transfer routes. Empty: trainer rank 0 starts one."""
-    sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     kl: KLControlConfig = field(default_factory=KLControlConfig)
+
+    def __post_init__(self) -> None:
+        """Raise ValueError naming the flags and the fix (the rules within the RL stage's
+        own settings; ``RunConfig`` checks those that need the optimizer, batch or layout)."""
+        check_fields(self)
+        if self.temperature <= 0:
+            raise ValueError(f"--temperature {self.temperature} must be > 0 (greedy RL has no "
+                             f"gradient)")
+        if self.algorithm == "grpo" and self.responses_per_prompt < 2:
+            raise ValueError("--algorithm grpo needs --responses-per-prompt >= 2 (advantages "
+                             "are relative to the prompt's group)")
+        if not 0 <= self.baseline_decay < 1:
+            raise ValueError("--baseline-decay must lie in [0, 1)")
+        if self.verifier_timeout <= 0 or self.rollout_kv_cache_gib <= 0:
+            raise ValueError("--verifier-timeout and --rollout-kv-cache-gib must be > 0")
+        check_placement_flags(self.rollout_placement, self.rollout_devices)
+        if self.rollout_engine_url:
+            self._check_server_engine()
+        if not 0 < self.eval_top_p <= 1 or self.eval_temperature <= 0:
+            raise ValueError("need 0 < --eval-top-p <= 1 and --eval-temperature > 0")
+        self._check_objective()
+
+    def _check_server_engine(self) -> None:
+        from urllib.parse import urlparse
+
+        url = urlparse(self.rollout_engine_url)
+        if url.scheme not in ("http", "https") or not url.hostname or not url.port:
+            raise ValueError(f"--rollout-engine-url {self.rollout_engine_url!r}: give the vLLM "
+                             f"server's address as http://HOST:PORT")
+        if self.rollout_placement != "inherit":
+            raise ValueError("--rollout-placement places an engine the trainer starts; the "
+                             "server at --rollout-engine-url runs where you started it: drop it")
+
+    def _check_objective(self) -> None:
+        """PPO steps, clipping, GRPO variants and dynamic sampling."""
+        steps = self.steps_per_update
+        if steps > 1 and self.kl.control == "predicted":
+            raise ValueError(
+                f"--kl-control predicted sizes the one optimizer step of each rollout batch "
+                f"against that update's KL budget; --ppo-epochs {self.ppo_epochs} x "
+                f"--ppo-minibatches {self.ppo_minibatches} = {steps} steps per batch would "
+                f"each move the policy with no budget left for the others. Use --kl-control "
+                f"none with several steps per batch (ratio clipping bounds them), or one step "
+                f"per batch")
+        if steps > 1 and self.weight_sync.transport == "sketch-delta":
+            raise ValueError(f"--weight-sync sketch-delta sends one LoGRA step's factors per "
+                             f"push; with {steps} optimizer steps per rollout batch use "
+                             f"--weight-sync sparse-delta or full")
+        if self.clip_ratio_high is not None and self.clip_ratio_low is None:
+            raise ValueError("--clip-ratio-high needs --clip-ratio-low (clipping is off without "
+                             "it); DAPO's clip-higher: --clip-ratio-low 0.2 --clip-ratio-high "
+                             "0.28")
+        if self.clip_ratio_low is not None and self.clip_ratio_low >= 1:
+            raise ValueError(f"--clip-ratio-low {self.clip_ratio_low} must be in (0, 1): the "
+                             f"ratio is clipped below at 1 - eps_low")
+        if self.algorithm != "grpo" and (self.dynamic_sampling or not self.grpo_std_norm):
+            raise ValueError("--dynamic-sampling and --no-grpo-std-norm act on GRPO's groups: "
+                             "use them with --algorithm grpo (the running baseline gives "
+                             "zero-variance groups a non-zero advantage)")
 
     @property
     def steps_per_update(self) -> int:

@@ -86,8 +86,8 @@ class RLRun:
         self.dtype = _DTYPES[cfg.rl.rollout_dtype]
         opt = cfg.optimizer
         self.placement = self._place_engine()
-        self.weights = WeightSync(cfg.rl.sync, self.objs.model, self.objs.arch, self.dtype,
-                                  optimizer=self.objs.optimizer,
+        self.weights = WeightSync(cfg.rl.weight_sync, self.objs.model, self.objs.arch,
+                                  self.dtype, optimizer=self.objs.optimizer,
                                   lora=opt.lora if opt.peft == "lora" else None,
                                   engine_tp=cfg.rl.rollout_tensor_parallel_size,
                                   group_backend="gloo" if self.placement.shares_trainer_gpus
@@ -96,7 +96,7 @@ class RLRun:
         self.baseline = adv.RunningBaseline(cfg.rl.baseline_decay)
         extra = self.prep.extra_state or {}
         kl = cfg.rl.kl
-        self.kl_step = None if kl.mode == "none" else PredictedKLStep(
+        self.kl_step = None if kl.control == "none" else PredictedKLStep(
             kl, temperature=cfg.rl.temperature, vocab_size=self.objs.arch.vocab_size)
         if "rl" in extra:
             self.baseline.load_state_dict(extra["rl"]["baseline"])
@@ -167,7 +167,7 @@ class RLRun:
             url=rl.rollout_engine_url)
         print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",
               flush=True)
-        verifier = Verifier(VerifierConfig(reward=rl.reward, timeout_s=rl.verifier_timeout_s))
+        verifier = Verifier(VerifierConfig(reward=rl.reward, timeout_s=rl.verifier_timeout))
         return _Driver(engine_cfg, verifier, prompts[rl.eval_prompts:], prompts[:rl.eval_prompts],
                        tokenizer)
 

@@ -1,11 +1,13 @@
 """Tensor/pipeline/data-parallel layout: validated dims and megatron-core bring-up.
 
-``ParallelConfig`` imports nothing of megatron (the run config is built before it)."""
+``ParallelConfig`` imports nothing of megatron (the run config is built before it) and
+checks itself when built; how it splits a world size is checked by ``validate``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_logra.flags import check_fields
 
 
 @dataclass(frozen=True)
@@ -17,15 +19,20 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """PP degree: the layers split into this many stages."""
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        if tp < 1 or pp < 1:
+            raise ValueError(f"--tensor-model-parallel-size {tp} and --pipeline-model-parallel-size "
+                             f"{pp} must both be >= 1")
+
     def data_parallel_size(self, world_size: int) -> int:
         self.validate(world_size)
         return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
 
     def validate(self, world_size: int) -> None:
+        """Refuse (ValueError) a world size TP x PP does not divide."""
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        if tp < 1 or pp < 1:
-            raise ValueError(f"--tensor-model-parallel-size {tp} and --pipeline-model-parallel-size "
-                             f"{pp} must both be >= 1")
         if world_size % (tp * pp):
             raise ValueError(
                 f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}; "

@@ -78,9 +78,9 @@ def layer_impl(cfg: RunConfig, announce: bool = False) -> str:
     """``--transformer-impl``, with auto resolved to local under predicted-KL control: its
     forward-mode tangent is carried through megatron-core's local linears only
     (``patches/forward_ad``), not Transformer Engine's (an explicit transformer_engine is
-    refused at parse time, ``cli``)."""
+    refused by ``RunConfig``)."""
     impl = cfg.training.transformer_impl
-    if impl == "auto" and cfg.training.stage == "rl" and cfg.rl.kl.mode == "predicted":
+    if impl == "auto" and cfg.training.stage == "rl" and cfg.rl.kl.control == "predicted":
         if announce and transformer_engine_available():
             print("--kl-control predicted: building megatron-core's local layer spec, not "
                   "Transformer Engine's (the KL tangent passes through local linears only)",

@@ -29,8 +29,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_logra.config import OptimizerConfig
 from megatron_logra.logra.model_spec import SketchedLinears
-from megatron_logra.logra.optimizer import LograOptimizer, RowAdamConfig
-from megatron_logra.logra.sketches import SketchConfig, SketchSet, anchor_frozen_embeddings
+from megatron_logra.logra.optimizer import LograOptimizer
+from megatron_logra.logra.sketches import SketchSet, anchor_frozen_embeddings
 from megatron_logra.lora.model_spec import LoraAdapters
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.provider import (ModelBuildConfig, build_gpt_model,
@@ -82,28 +82,20 @@ def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool) -> Distrib
 def build_optimizer(model: list[DistributedDataParallel], cfg: OptimizerConfig, bf16: bool):
     """megatron's Adam over every parameter that requires grad (all of them for dense Adam;
     the unsketched ones under LoGRA)."""
-    if cfg.name not in ("adam", "logra"):
-        raise ValueError(f"optimizer {cfg.name!r} is not built here")
     return get_megatron_optimizer(megatron_optimizer_config(cfg, bf16), model)
 
 
 def megatron_optimizer_config(cfg: OptimizerConfig, bf16: bool) -> McoreOptimizerConfig:
     """megatron-core's optimizer settings for ``cfg`` (``--optimizer-cpu-offload``: its
-    HybridDeviceOptimizer, CUDA only: on CPU the state is in host memory already)."""
+    HybridDeviceOptimizer, CUDA only: on CPU the state is in host memory already). What
+    depends on this machine is checked here; ``cfg`` checked its own settings."""
     if cfg.optimizer_cpu_offload and current_device().type != "cuda":
         raise ValueError("--optimizer-cpu-offload moves Adam's state from the GPU to the "
                          "host; this run is on CPU, where it is there already: drop it")
-    if not 0 <= cfg.optimizer_offload_fraction <= 1:
-        raise ValueError(f"--optimizer-offload-fraction {cfg.optimizer_offload_fraction} "
-                         f"must lie in [0, 1]")
     if cfg.optimizer_cpu_offload and not transformer_engine_available():
         raise ValueError("--optimizer-cpu-offload needs Transformer Engine (megatron-core "
                          "0.16's precision-aware optimizer, which its offload runs in, reads "
                          "TE's version): install the gpu extra (pip install -e '.[gpu]')")
-    if cfg.optimizer_cpu_offload and not cfg.use_distributed_optimizer:
-        raise ValueError("--optimizer-cpu-offload needs --use-distributed-optimizer "
-                         "(megatron-core's precision-aware optimizer, which its offload "
-                         "runs inside, shards the state over DP)")
     # Megatron-LM requires the precision-aware optimizer with CPU offload: the hybrid
     # CPU/GPU optimizer then keeps the fp32 master params itself (param_update_in_fp32)
     offload = dict(optimizer_cpu_offload=True,
@@ -152,10 +144,7 @@ def build_training_objects(arch: ModelArch, build: ModelBuildConfig, opt: Optimi
     sketches = None
     frozen = logra and opt.logra.untargeted == "frozen"
     if logra:
-        sketches = SketchSet([gpt], SketchConfig(rank=opt.logra.rank,
-                                                 projection=opt.logra.projection,
-                                                 refresh_interval=opt.logra.refresh_interval,
-                                                 seed=seed), arch)
+        sketches = SketchSet([gpt], opt.logra, arch, seed=seed)
     if frozen:
         for param in gpt.parameters():
             param.requires_grad_(False)
@@ -165,13 +154,8 @@ def build_training_objects(arch: ModelArch, build: ModelBuildConfig, opt: Optimi
     config = gpt.config
     config.finalize_model_grads_func = finalize_model_grads
     if logra:
-        optimizer = LograOptimizer(optimizer, sketches, RowAdamConfig(
-            beta2=opt.logra.beta2, eps=opt.logra.eps, update_ratio=opt.logra.update_ratio,
-            master_weights=opt.logra.master_weights,
-            norm_restoration=opt.logra.norm_restoration,
-            update_factor_dtype=opt.logra.update_factor_dtype,
-            shard_over_dp=opt.use_distributed_optimizer, lr=opt.lr,
-            keep_updates=opt.logra.keep_updates))
+        optimizer = LograOptimizer(optimizer, sketches, opt.logra, lr=opt.lr,
+                                   shard_over_dp=opt.use_distributed_optimizer)
         config.finalize_model_grads_func = partial(_finalize_with_sketches, sketches)
     config.no_sync_func = ddp.no_sync
     config.grad_scale_func = optimizer.scale_loss

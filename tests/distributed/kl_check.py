@@ -15,7 +15,7 @@ def kl_numbers(tp: int, pp: int, optimizer: str, distributed_optimizer: bool,
                world_size: int, bf16: bool = False) -> dict:
     from megatron_logra.config import KLControlConfig, LograConfig, OptimizerConfig
     from megatron_logra.kl.controller import PredictedKLStep
-    from megatron_logra.logra.sketched_linear import TARGETS
+    from megatron_logra.logra.config import TARGETS
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.provider import ModelBuildConfig
     from megatron_logra.model.tiny_assets import EMBEDDED_DEFAULT
@@ -39,7 +39,7 @@ def kl_numbers(tp: int, pp: int, optimizer: str, distributed_optimizer: bool,
     objs.optimizer.step()
     objs.optimizer.zero_grad()
     forward_backward(objs.model, batch, **kw)
-    kl = PredictedKLStep(KLControlConfig(mode="predicted", budget_start=1e-3, budget_end=1e-3),
+    kl = PredictedKLStep(KLControlConfig(control="predicted", budget=1e-3, budget_final=1e-3),
                          temperature=0.9, vocab_size=arch.vocab_size)
     ok, _, record = kl.step(objs, 0, batch[0], mismatch=None)
     return {"ok": bool(ok), **record}

@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 
 def sketch_vs_dense(tp: int, pp: int, world_size: int) -> dict:
     from megatron_logra.config import LograConfig, OptimizerConfig
-    from megatron_logra.logra.sketched_linear import TARGETS
+    from megatron_logra.logra.config import TARGETS
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.provider import ModelBuildConfig, unwrap
     from megatron_logra.model.tiny_assets import EMBEDDED_DEFAULT

@@ -1,4 +1,4 @@
-"""The launcher's command line (``cli.py``, ``cli_rl.py``) -> frozen ``RunConfig``.
+"""The launcher's command line (``cli.py``) -> frozen ``RunConfig``.
 
 The flag set is frozen (``EXPECTED_FLAGS``: adding or renaming a flag must update it)
 and every flag has help. Valid command lines give the expected config slices, and the
@@ -143,7 +143,7 @@ def test_rl_flags_give_their_config_and_the_global_batch():
                             "reinforce", "--micro-batch-size", "2"], world_size=2)
     assert cfg.training.global_batch_size == 24
     assert (cfg.rl.prompts_per_step, cfg.rl.responses_per_prompt, cfg.rl.tis_cap) == (4, 6, None)
-    assert cfg.rl.kl.mode == "none" and cfg.rl.algorithm == "reinforce"
+    assert cfg.rl.kl.control == "none" and cfg.rl.algorithm == "reinforce"
 
 
 def test_defaults_are_the_papers_recipe():
@@ -157,7 +157,7 @@ def test_defaults_are_the_papers_recipe():
     assert lg.targets == ("qkv", "proj", "fc1", "fc2") and lg.rank == 256
     assert lg.update_ratio == 6e-5 and (lg.beta2, lg.eps) == (0.95, 1e-8)
     assert (cfg.rl.eval_temperature, cfg.rl.eval_top_p, cfg.rl.failure_reward) == (0.7, 0.7, -0.01)
-    assert (cfg.rl.kl.budget_start, cfg.rl.kl.budget_end, cfg.rl.kl.budget_steps,
+    assert (cfg.rl.kl.budget, cfg.rl.kl.budget_final, cfg.rl.kl.budget_steps,
             cfg.rl.kl.alpha_max, cfg.rl.kl.probe_responses, cfg.rl.kl.probe_max_tokens) == (
         2e-4, 2e-5, 300, 3.0, 2, 4096)
     off = parse_run_config(["--optimizer", "logra", "--no-logra-norm-restoration",
@@ -169,7 +169,7 @@ def test_defaults_are_the_papers_recipe():
     exact = parse_run_config(["--stage", "rl", "--optimizer", "logra", "--weight-sync",
                               "sketch-delta", "--bf16", "--logra-master-weights", "none",
                               "--rollout-dtype", "bfloat16"], world_size=1)
-    assert exact.rl.sync.transport == "sketch-delta"
+    assert exact.rl.weight_sync.transport == "sketch-delta"
 
 
 def test_logra_flags_give_its_config():

@@ -166,7 +166,7 @@ def test_k_zero_for_an_update_that_moved_is_an_error(monkeypatch):
     logits = torch.randn(1, 5, 16)
     monkeypatch.setattr(controller, "logits_with_tangent",
                         lambda model, probe, tangents: (logits, torch.zeros_like(logits)))
-    step = controller.PredictedKLStep(KLControlConfig(mode="predicted"), temperature=1.0,
+    step = controller.PredictedKLStep(KLControlConfig(control="predicted"), temperature=1.0,
                                       vocab_size=16)
     probe = {"loss_mask": torch.ones(1, 5)}
     moved = UpdateTangents(dense={"w": torch.full((3,), 1e-4)})

@@ -29,7 +29,7 @@ from megatron_logra.kl.controller import PredictedKLStep, cap_probe
 from megatron_logra.kl.scaled_step import scaled_optimizer_step
 from megatron_logra.kl.tangent_forward import UpdateTangents, logits_with_tangent
 from megatron_logra.logra.optimizer import LograOptimizer
-from megatron_logra.logra.sketched_linear import TARGETS
+from megatron_logra.logra.config import TARGETS
 from megatron_logra.model.arch import load_arch
 from megatron_logra.model.provider import ModelBuildConfig, unwrap
 from megatron_logra.model.tiny_assets import write_tiny_model_dir
@@ -76,7 +76,7 @@ def test_step_scale_budget_and_mismatch():
     for bad in (float("nan"), -1.0, float("inf")):
         with pytest.raises(FloatingPointError, match="quadratic form"):
             kl_control.step_scale(bad, 1e-4, 3.0)
-    cfg = KLControlConfig(mode="predicted", budget_start=2e-4, budget_end=2e-5, budget_steps=300)
+    cfg = KLControlConfig(control="predicted", budget=2e-4, budget_final=2e-5, budget_steps=300)
     # the reference's schedule: 2e-4 at update 0, the final 2e-5 reached at update H - 1
     assert kl_control.scheduled_budget(cfg, 0) == pytest.approx(2e-4)
     assert kl_control.scheduled_budget(cfg, 299) == kl_control.scheduled_budget(cfg, 900) \
@@ -206,7 +206,7 @@ def test_tangent_matches_finite_difference_and_step_is_scaled(arch_dir, name):
     batch = _batch(arch.vocab_size)
     _step_then_grads(objs, batch, arch.vocab_size)
     probe = batch[0]
-    kl = PredictedKLStep(KLControlConfig(mode="predicted"), temperature=0.8,
+    kl = PredictedKLStep(KLControlConfig(control="predicted"), temperature=0.8,
                          vocab_size=arch.vocab_size)
     module = unwrap(objs.model[0])
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
@@ -305,7 +305,7 @@ def test_bf16_step_is_scaled_on_the_fp32_copies(arch_dir, name):
     new = _fp32_copies(twin)
     params = dict(unwrap(objs.model[0]).named_parameters())
     params_old = {n: p.detach().clone() for n, p in params.items()}
-    kl = PredictedKLStep(KLControlConfig(mode="predicted"), temperature=0.8,
+    kl = PredictedKLStep(KLControlConfig(control="predicted"), temperature=0.8,
                          vocab_size=arch.vocab_size)
     seen, alpha = {}, 0.05
 
@@ -366,7 +366,7 @@ def test_bf16_prediction_at_realistic_step_sizes(arch_dir, name, lr, logra):
 
     old = fp32_weights()
     bf16_old = {n: p.detach().clone() for n, p in params.items()}
-    kl = PredictedKLStep(KLControlConfig(mode="predicted"), temperature=0.8,
+    kl = PredictedKLStep(KLControlConfig(control="predicted"), temperature=0.8,
                          vocab_size=arch.vocab_size)
     seen = {}
 

@@ -25,7 +25,7 @@ import torch
 
 from megatron_logra.config import LograConfig, OptimizerConfig
 from megatron_logra.logra.projection import parameter_seed, projection_block
-from megatron_logra.logra.sketched_linear import TARGETS
+from megatron_logra.logra.config import TARGETS
 from megatron_logra.model.arch import load_arch
 from megatron_logra.model.provider import ModelBuildConfig, unwrap
 from megatron_logra.model.tiny_assets import write_tiny_model_dir

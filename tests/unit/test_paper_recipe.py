@@ -71,12 +71,12 @@ def test_table1_commands_pass_the_launchers_checks(tmp_path, size, method):
     if method == "dense":
         assert (opt.name, opt.lr, opt.adam_beta2, opt.clip_grad, opt.lr_warmup_iters,
                 opt.lr_decay_iters, opt.min_lr) == ("adam", 1e-6, 0.95, 0.0, 9, 300, 1e-7)
-        assert rl.kl.mode == "none"
+        assert rl.kl.control == "none"
     else:
         lg = opt.logra
         assert (lg.rank, lg.update_ratio, lg.untargeted, lg.norm_restoration) == (
             256, 6e-5, "frozen", True)
-        assert (rl.kl.mode, rl.kl.budget_start, rl.kl.budget_end, rl.kl.budget_steps) == (
+        assert (rl.kl.control, rl.kl.budget, rl.kl.budget_final, rl.kl.budget_steps) == (
             "predicted", 2e-4, 2e-5, 300)
 
 

@@ -115,9 +115,8 @@ def test_optimizer_cpu_offload_reaches_megatron_on_cuda_and_is_refused_on_cpu(mo
     plain = parse_run_config([], world_size=1).optimizer
     assert not setup.megatron_optimizer_config(plain, bf16=True).optimizer_cpu_offload
     assert not setup.megatron_optimizer_config(plain, bf16=True).use_precision_aware_optimizer
-    unsharded = parse_run_config(["--optimizer-cpu-offload"], world_size=1).optimizer
     with pytest.raises(ValueError, match="needs --use-distributed-optimizer"):
-        setup.megatron_optimizer_config(unsharded, bf16=True)
+        parse_run_config(["--optimizer-cpu-offload"], world_size=1)  # OptimizerConfig's rule
     # predicted-KL control scales the GPU copy of the update only: refused with offload
     rl = ["--stage", "rl", "--kl-control", "predicted", "--use-distributed-optimizer"]
     with pytest.raises(ValueError, match="kl-control predicted with --optimizer-cpu-offload"):

@@ -61,8 +61,8 @@ def test_recipe_passes_the_launchers_checks(tmp_path, recipe):
     cfg = parse_run_config(argv, world_size=_world_size(recipe))
     # what the recipes promise (their comments): the method they name
     if recipe.stem.startswith("logra") or recipe.stem in ("cpu", "rl"):
-        assert cfg.optimizer.name == "logra" and cfg.rl.kl.mode == "predicted"
+        assert cfg.optimizer.name == "logra" and cfg.rl.kl.control == "predicted"
     if recipe.stem.startswith("dense"):
         assert cfg.optimizer.name == "adam" and cfg.optimizer.peft == "none"
     if recipe.stem == "lora":
-        assert cfg.optimizer.peft == "lora" and cfg.rl.sync.transport == "full"
+        assert cfg.optimizer.peft == "lora" and cfg.rl.weight_sync.transport == "full"
