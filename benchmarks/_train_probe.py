@@ -109,7 +109,7 @@ class Probe:
         from megatron_logra.model.provider import ModelBuildConfig
         from megatron_logra.runtime.device import init_runtime
         from megatron_logra.runtime.parallel import ParallelConfig, initialize
-        from megatron_logra.training.setup import build_training_objects
+        from megatron_logra.training.build import build_training_objects
 
         self.spec = spec
         self.rt = init_runtime()

@@ -264,7 +264,7 @@ def trainer_optimizer(variant: str, **overrides):
 def build(arch, opt, train_iters: int, *, transformer_engine: bool, bf16: bool = True):
     """Fresh model, optimizer and scheduler from ``SEED``."""
     from megatron_logra.model.provider import ModelBuildConfig
-    from megatron_logra.training.setup import build_training_objects
+    from megatron_logra.training.build import build_training_objects
 
     return build_training_objects(arch, ModelBuildConfig(
         bf16=bf16, use_transformer_engine=transformer_engine), opt, seed=SEED,

@@ -141,17 +141,17 @@ def main(argv=None) -> None:
             assembly = None  # a sparse delta is assembled inside the push
             if transport == "sketch-delta":
                 _, assembly = _timed(lambda: owned_updates(objs.optimizer))
-            before = run.sync.bytes
+            before = run.sync_stats.bytes
             _, delta_time = _timed(lambda: run.push_weights(transport=transport))
-            assert run.sync.last_transport == transport, run.sync.last_transport
-            delta_bytes = run.sync.bytes - before
+            assert run.sync_stats.last_transport == transport, run.sync_stats.last_transport
+            delta_bytes = run.sync_stats.bytes - before
             exact = exact and exact_now()
             _, full_assembly = _timed(lambda: [b for b in full_push(
                 objs.model, arch, run.weights.plan, dtype=torch.bfloat16)])
-            before = run.sync.bytes
+            before = run.sync_stats.bytes
             _, full_time = _timed(lambda: run.push_weights(transport="full"))  # same weights
             rows.append({"update": update + 1, "transport": transport,
-                         "delta_bytes": delta_bytes, "full_bytes": run.sync.bytes - before,
+                         "delta_bytes": delta_bytes, "full_bytes": run.sync_stats.bytes - before,
                          "delta_time_s": delta_time, "full_time_s": full_time,
                          "delta_assembly_s": assembly, "full_assembly_s": full_assembly})
             print(json.dumps(rows[-1]), flush=True)

@@ -84,7 +84,7 @@ def worker(args) -> None:
     from megatron_logra.runtime.device import init_runtime
     from megatron_logra.runtime.parallel import ParallelConfig, initialize
     from megatron_logra.testing.batches import random_microbatches
-    from megatron_logra.training.setup import build_training_objects
+    from megatron_logra.training.build import build_training_objects
     from megatron_logra.training.step import train_step
 
     rt = init_runtime()

@@ -22,7 +22,7 @@ Where a rule lives (every refusal is a ValueError naming the flags and the fix):
   ``cli.parse_run_config``, once it has read config.json (``ModelArch.check_parallel``,
   ``LograConfig.check_fits``);
 - what depends on the machine (CUDA, Transformer Engine installed): where it is built
-  (``training.setup``, ``model.provider``).
+  (``training.build``, ``model.provider``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ alpha = min(alpha_max, sqrt(budget / K)). The modules, from the bottom up:
 - ``weight_tangent``: ``LowRankTangent``, a sketched weight's update tangent -c D A
   (never formed) and how a sketched layer adds it to its dual output; ``active`` puts
   each on its ``SketchSlot.tangent`` for the duration of the pass.
-- ``step_scale``: ``StepScaler``, which snapshots a megatron-core optimizer's params,
+- ``held_back_step``: ``HeldBackStep``, which snapshots a megatron-core optimizer's params,
   turns its step into the dense tangent and applies the step scaled by alpha (reads
   megatron-core optimizer internals; version-checked).
 - ``tangent_forward``: ``UpdateTangents`` and ``logits_with_tangent``, the logits and

@@ -1,7 +1,7 @@
 """An optimizer step whose size is chosen from its own direction (predicted-KL control).
 
 ``scaled_optimizer_step(optimizer, model, choose_alpha)``:
-1. megatron's step of the dense params (if any), held back (``StepScaler``): their update
+1. megatron's step of the dense params (if any), held back (``HeldBackStep``): their update
    becomes the dense tangent and the model is returned to the old weights;
 2. LoGRA: the RowAdam directions D and the factor c are computed, and the sketched
    weights' tangents are -c D A (low rank);
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from megatron_logra.kl.step_scale import StepScaler
+from megatron_logra.kl.held_back_step import HeldBackStep
 from megatron_logra.kl.tangent_forward import UpdateTangents
 from megatron_logra.kl.weight_tangent import low_rank_tangents
 from megatron_logra.logra.optimizer import LograOptimizer
@@ -40,7 +40,7 @@ def scaled_optimizer_step(optimizer, model_chunks: list,
     dense = optimizer.dense if logra else optimizer
     scaler, dense_tangents, grad_norm = None, {}, None
     if dense is not None:
-        scaler = StepScaler(dense, stepped_params(model_chunks))
+        scaler = HeldBackStep(dense, stepped_params(model_chunks))
         scaler.snapshot()
         ok, grad_norm, _ = dense.step()
         if not ok:

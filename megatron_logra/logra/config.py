@@ -1,7 +1,7 @@
 """LoGRA's settings (``--optimizer logra``, flags ``--logra-*``): sketches and RowAdam.
 
 No torch, no megatron: the run config is built from these before anything heavy, and
-checks itself (``__post_init__``). ``training.setup`` hands it as it is to the sketches
+checks itself (``__post_init__``). ``training.build`` hands it as it is to the sketches
 (``logra.sketches.SketchSet``) and RowAdam (``logra.optimizer.LograOptimizer``).
 """
 

@@ -92,7 +92,7 @@ class RLRun:
                                   engine_tp=cfg.rl.rollout_tensor_parallel_size,
                                   group_backend="gloo" if self.placement.shares_trainer_gpus
                                   else None)
-        self.sync = self.weights.stats
+        self.sync_stats = self.weights.stats
         self.baseline = adv.RunningBaseline(cfg.rl.baseline_decay)
         extra = self.prep.extra_state or {}
         kl = cfg.rl.kl
@@ -418,14 +418,14 @@ def _loop(run: RLRun, log: MetricsLog) -> RunResult:
         record.update(run.train(samples, update))
         skipped.record(record["update_successful"], update + 1, announce=run.rank == 0)
         run.version = update + 1
-        sync_before = (run.sync.bytes, run.sync.seconds)
+        sync_before = (run.sync_stats.bytes, run.sync_stats.seconds)
         maybe_fail("sync", update + 1)
         run.push_weights()
-        record.update(step=update + 1, sync_bytes=run.sync.bytes - sync_before[0],
-                      sync_time_s=run.sync.seconds - sync_before[1],
-                      sync_transport=run.sync.last_transport,
-                      checksum_mismatches=run.sync.checksum_mismatches,
-                      engine_restarts=run.sync.restarts, peak_mem_bytes=peak_memory_bytes(),
+        record.update(step=update + 1, sync_bytes=run.sync_stats.bytes - sync_before[0],
+                      sync_time_s=run.sync_stats.seconds - sync_before[1],
+                      sync_transport=run.sync_stats.last_transport,
+                      checksum_mismatches=run.sync_stats.checksum_mismatches,
+                      engine_restarts=run.sync_stats.restarts, peak_mem_bytes=peak_memory_bytes(),
                       step_time_s=time.perf_counter() - t0)
         last = update + 1 == t.train_iters
         if last:  # the engine ends the run holding the trainer's weights (when it can tell)

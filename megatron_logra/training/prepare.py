@@ -1,7 +1,7 @@
 """What both stages start from: runtime, parallel groups, model, optimizer, loaded weights.
 
 ``prepare_training(cfg)`` brings up the runtime and megatron-core's groups, builds the
-model and its optimizer (``training.setup``), loads ``--load`` (HF weights, or a
+model and its optimizer (``training.build``), loads ``--load`` (HF weights, or a
 checkpoint to resume or finetune from) and writes ``config.json``. The SFT stage
 (``training.sft``) and the RL stage (``rl.loop``) run from what it returns.
 """
@@ -23,7 +23,7 @@ from megatron_logra.model.provider import ModelBuildConfig, transformer_engine_a
 from megatron_logra.runtime import parallel
 from megatron_logra.runtime.device import init_runtime
 from megatron_logra.training import checkpointing
-from megatron_logra.training.setup import TrainingObjects, build_training_objects
+from megatron_logra.training.build import TrainingObjects, build_training_objects
 
 
 @dataclass

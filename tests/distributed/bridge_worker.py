@@ -96,10 +96,10 @@ def _check_layout(argv: list[str], kill_engine: bool = False) -> dict:
             samples = [replace(s, advantage=1.0 if k % 2 else -1.0) for k, s in enumerate(samples)]
             run.train(samples, update)
             run.version = update + 1
-            before = run.sync.bytes
+            before = run.sync_stats.bytes
             run.push_weights(transport=transport)
-            out["transports"].append(run.sync.last_transport)
-            out["bytes"].append(run.sync.bytes - before)
+            out["transports"].append(run.sync_stats.last_transport)
+            out["bytes"].append(run.sync_stats.bytes - before)
             out["differing"].append(_differing(run))
         rows = torch.randint(0, run.objs.arch.vocab_size, (3, 24),
                              generator=torch.Generator().manual_seed(5))
@@ -111,8 +111,8 @@ def _check_layout(argv: list[str], kill_engine: bool = False) -> dict:
             out["full_bytes"] = sum(t.numel() * t.element_size() for t in full.values())
             out["refused"] = _refused(run)
             out["serving_after_refusal"] = run.engine.version == run.version
-        out["checksum_mismatches"] = run.sync.checksum_mismatches
-        out["restarts"] = run.sync.restarts
+        out["checksum_mismatches"] = run.sync_stats.checksum_mismatches
+        out["restarts"] = run.sync_stats.restarts
     finally:
         run.close()
     return out

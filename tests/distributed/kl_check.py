@@ -21,7 +21,7 @@ def kl_numbers(tp: int, pp: int, optimizer: str, distributed_optimizer: bool,
     from megatron_logra.model.tiny_assets import EMBEDDED_DEFAULT
     from megatron_logra.runtime.parallel import ParallelConfig, initialize
     from megatron_logra.testing.batches import random_microbatches
-    from megatron_logra.training.setup import build_training_objects
+    from megatron_logra.training.build import build_training_objects
     from megatron_logra.training.step import forward_backward
 
     initialize(ParallelConfig(tp, pp), world_size, seed=11)

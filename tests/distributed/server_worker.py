@@ -53,10 +53,10 @@ def main() -> None:
         if dist.get_rank() == 0:
             result["checks"].append({
                 "label": label, "mismatches": mismatches, "version": run.version,
-                "server_version": run.engine.version, "transport": run.sync.last_transport,
-                "bytes": run.sync.bytes - sent[0],
+                "server_version": run.engine.version, "transport": run.sync_stats.last_transport,
+                "bytes": run.sync_stats.bytes - sent[0],
                 "logprob_diff": float((mine - theirs).abs().max())})
-        sent[0] = run.sync.bytes
+        sent[0] = run.sync_stats.bytes
 
     check("start")
     first = trainer_logprobs(run, rows)

@@ -31,7 +31,7 @@ import torch
 
 from megatron_logra.cli import parse_run_config
 from megatron_logra.model.tiny_assets import write_tiny_model_dir
-from megatron_logra.training.setup import build_scheduler
+from megatron_logra.training.build import build_scheduler
 
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm]
 

@@ -25,7 +25,7 @@ from megatron_logra.model.tiny_assets import write_tiny_model_dir
 from megatron_logra.runtime.device import init_runtime
 from megatron_logra.runtime.parallel import ParallelConfig, initialize
 from megatron_logra.testing.batches import random_microbatches
-from megatron_logra.training.setup import build_training_objects
+from megatron_logra.training.build import build_training_objects
 from megatron_logra.training.step import forward_backward
 
 RECEIVER = '''

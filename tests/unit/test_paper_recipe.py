@@ -22,7 +22,7 @@ import pytest
 from megatron_logra.cli import parse_run_config
 from megatron_logra.config import OptimizerConfig
 from megatron_logra.model.tiny_assets import tiny_hf_config
-from megatron_logra.training.setup import build_scheduler
+from megatron_logra.training.build import build_scheduler
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "launch" / "paper_table1.sh"

@@ -94,27 +94,27 @@ def test_optimizer_cpu_offload_reaches_megatron_on_cuda_and_is_refused_on_cpu(mo
     Adam's state: the flags become its OptimizerConfig; on CPU there is nothing to move."""
     import torch
 
-    from megatron_logra.training import setup
+    from megatron_logra.training import build
 
     cfg = parse_run_config(["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5",
                             "--use-distributed-optimizer"], world_size=1).optimizer
     with pytest.raises(ValueError, match="this run is on CPU.*drop it"):
-        setup.megatron_optimizer_config(cfg, bf16=True)
-    monkeypatch.setattr(setup, "current_device", lambda: torch.device("cuda", 0))
+        build.megatron_optimizer_config(cfg, bf16=True)
+    monkeypatch.setattr(build, "current_device", lambda: torch.device("cuda", 0))
     with pytest.raises(ValueError, match="needs Transformer Engine"):
-        setup.megatron_optimizer_config(cfg, bf16=True)
+        build.megatron_optimizer_config(cfg, bf16=True)
     # with TE (the GPU extra): megatron's config reads TE's version
     from megatron.core.optimizer import optimizer_config
 
-    monkeypatch.setattr(setup, "transformer_engine_available", lambda: True)
+    monkeypatch.setattr(build, "transformer_engine_available", lambda: True)
     monkeypatch.setattr(optimizer_config, "is_te_min_version", lambda *a, **k: True)
-    mcfg = setup.megatron_optimizer_config(cfg, bf16=True)
+    mcfg = build.megatron_optimizer_config(cfg, bf16=True)
     assert (mcfg.optimizer_cpu_offload, mcfg.optimizer_offload_fraction) == (True, 0.5)
     # Megatron-LM runs its offload inside the precision-aware optimizer only
     assert mcfg.use_precision_aware_optimizer and mcfg.use_distributed_optimizer
     plain = parse_run_config([], world_size=1).optimizer
-    assert not setup.megatron_optimizer_config(plain, bf16=True).optimizer_cpu_offload
-    assert not setup.megatron_optimizer_config(plain, bf16=True).use_precision_aware_optimizer
+    assert not build.megatron_optimizer_config(plain, bf16=True).optimizer_cpu_offload
+    assert not build.megatron_optimizer_config(plain, bf16=True).use_precision_aware_optimizer
     with pytest.raises(ValueError, match="needs --use-distributed-optimizer"):
         parse_run_config(["--optimizer-cpu-offload"], world_size=1)  # OptimizerConfig's rule
     # predicted-KL control scales the GPU copy of the update only: refused with offload

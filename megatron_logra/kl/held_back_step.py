@@ -3,12 +3,12 @@
 Not a patch: no megatron function is replaced or changed. The optimizer internals it
 needs (sub-optimizers, main params, their fp32 copies, the main -> model copy and the DP
 all-gather) are read through ``training.megatron_optimizer``, the one module tied to
-their layout; ``StepScaler`` refuses another megatron-core version
+their layout; ``HeldBackStep`` refuses another megatron-core version
 (``runtime.versions``, as the patches do).
 
 Why: predicted-KL control needs the update direction before it is applied, and Adam's
 direction exists only once Adam has stepped (its moments advance once, as usual).
-``StepScaler`` snapshots the params, lets megatron step, turns the change into the
+``HeldBackStep`` snapshots the params, lets megatron step, turns the change into the
 model-layout tangent, restores the model to the old weights for the tangent pass, and
 finally applies ``old + alpha * (new - old)`` to the main params (copied to the model
 params and all-gathered over DP as megatron's own step does). With alpha = 1 the result
@@ -34,12 +34,12 @@ from megatron_logra.training.megatron_optimizer import (copy_main_to_model, data
                                                         main_params, sub_optimizers)
 
 
-class StepScaler:
+class HeldBackStep:
     """snapshot() -> megatron step -> tangents() -> (tangent pass) -> apply(alpha)."""
 
     def __init__(self, optimizer, model_params: dict[str, torch.nn.Parameter]):
         """model_params: the stepped model params by name (those that require grad)."""
-        versions.require("megatron-core", "megatron_logra.kl.step_scale")
+        versions.require("megatron-core", "megatron_logra.kl.held_back_step")
         self.subs = sub_optimizers(optimizer)
         self.model_params = model_params
         storages = {p.untyped_storage().data_ptr() for p in model_params.values()}
