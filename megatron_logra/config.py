@@ -250,7 +250,7 @@ class RunConfig:
                                  f"rollout batch of {batch} responses into minibatches that "
                                  f"are multiples of --micro-batch-size x data-parallel size = "
                                  f"{mb * dp}")
-            if rl.kl.control == "predicted" and rl.kl.probe_responses > batch // dp:
+            if rl.kl.control != "none" and rl.kl.probe_responses > batch // dp:
                 raise ValueError(f"--kl-probe-responses {rl.kl.probe_responses} exceeds the "
                                  f"{batch // dp} responses each data-parallel rank trains on")
         if training.global_batch_size % (mb * dp):
@@ -298,14 +298,14 @@ def _check_rl(cfg: RunConfig) -> None:
     if training.seq_length < rl.max_new_tokens + 8:
         raise ValueError(f"--seq-length {training.seq_length} leaves no room for prompts with "
                          f"--max-new-tokens {rl.max_new_tokens}; raise --seq-length")
-    if rl.kl.control == "predicted" and opt.optimizer_cpu_offload:
-        raise ValueError("--kl-control predicted with --optimizer-cpu-offload: the control "
+    if rl.kl.control != "none" and opt.optimizer_cpu_offload:
+        raise ValueError(f"--kl-control {rl.kl.control} with --optimizer-cpu-offload: the control "
                          "scales the update on the GPU's master params, while the offloaded "
                          "optimizer keeps its own host copy, which would stay unscaled; drop "
                          "one of them (colocated runs fit the engine without offload under "
                          "LoGRA: benchmarks/results/memory_plan.md)")
-    if rl.kl.control == "predicted" and training.transformer_impl == "transformer_engine":
-        raise ValueError("--kl-control predicted with --transformer-impl transformer_engine: "
+    if rl.kl.control != "none" and training.transformer_impl == "transformer_engine":
+        raise ValueError(f"--kl-control {rl.kl.control} with --transformer-impl transformer_engine: "
                          "the KL tangent is carried through megatron-core's local linears "
                          "only; use --transformer-impl local (or auto, which builds local "
                          "under predicted-KL control)")

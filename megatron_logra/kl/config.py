@@ -15,8 +15,10 @@ class KLControlConfig:
 
     FLAG_PREFIX: ClassVar[str] = "kl-"
 
-    control: Literal["none", "predicted"] = "none"
-    """Scale every update so its predicted KL meets the budget (predicted), or not (none)."""
+    control: Literal["none", "predicted", "measure"] = "none"
+    """Scale every update so its predicted KL meets the budget (predicted); take it as it
+    is but measure its predicted and realized KL (measure: a fixed step whose KL is
+    logged, at the cost of the control's probe passes); or neither (none)."""
     budget: float = 2e-4
     """KL budget at the first update, cosine-decayed ..."""
     budget_final: float = 2e-5

@@ -1,4 +1,5 @@
-"""Predicted-KL control of one RL update on the trainer (``--kl-control predicted``).
+"""Predicted-KL control of one RL update on the trainer (``--kl-control predicted``; with
+``--kl-control measure`` alpha is 1 and the same K and realized KL are only logged).
 
 Per update: the rollout/trainer mismatch of this batch updates m and the budget; the
 optimizer steps held back (``kl/scaled_step``); one forward-mode pass on the
@@ -146,7 +147,8 @@ class PredictedKLStep:
             k = self.quadratic_form(objs.model, probe, tangents)
             synchronize()
             probe_time[0] += time.perf_counter() - t0
-            alpha = kl_budget.step_scale(k, budget, self.cfg.alpha_max)
+            alpha = (1.0 if self.cfg.control == "measure" else
+                     kl_budget.step_scale(k, budget, self.cfg.alpha_max))
             record.update(kl_quadratic=k, alpha=alpha, kl_pred=alpha * alpha * k)
             return alpha
 

@@ -155,9 +155,9 @@ class RLConfig:
     def _check_objective(self) -> None:
         """PPO steps, clipping, GRPO variants and dynamic sampling."""
         steps = self.steps_per_update
-        if steps > 1 and self.kl.control == "predicted":
+        if steps > 1 and self.kl.control != "none":
             raise ValueError(
-                f"--kl-control predicted sizes the one optimizer step of each rollout batch "
+                f"--kl-control {self.kl.control} sizes (or measures) the one optimizer step of each rollout batch "
                 f"against that update's KL budget; --ppo-epochs {self.ppo_epochs} x "
                 f"--ppo-minibatches {self.ppo_minibatches} = {steps} steps per batch would "
                 f"each move the policy with no budget left for the others. Use --kl-control "

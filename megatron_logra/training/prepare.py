@@ -80,9 +80,9 @@ def layer_impl(cfg: RunConfig, announce: bool = False) -> str:
     (``patches/forward_ad``), not Transformer Engine's (an explicit transformer_engine is
     refused by ``RunConfig``)."""
     impl = cfg.training.transformer_impl
-    if impl == "auto" and cfg.training.stage == "rl" and cfg.rl.kl.control == "predicted":
+    if impl == "auto" and cfg.training.stage == "rl" and cfg.rl.kl.control != "none":
         if announce and transformer_engine_available():
-            print("--kl-control predicted: building megatron-core's local layer spec, not "
+            print(f"--kl-control {cfg.rl.kl.control}: building megatron-core's local layer spec, not "
                   "Transformer Engine's (the KL tangent passes through local linears only)",
                   flush=True)
         return "local"

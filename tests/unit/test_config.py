@@ -109,7 +109,7 @@ def test_choices_are_refused_in_code_as_argparse_refuses_them(capsys):
             (["--logra-projection", "uniform"], lambda: LograConfig(projection="uniform"),
              "--logra-projection 'uniform': choose from rademacher, gaussian"),
             (["--kl-control", "yes"], lambda: KLControlConfig(control="yes"),
-             "--kl-control 'yes': choose from none, predicted"),
+             "--kl-control 'yes': choose from none, predicted, measure"),
             (["--weight-sync", "rsync"], lambda: WeightSyncConfig(transport="rsync"),
              "--weight-sync 'rsync': choose from full, sparse-delta, sketch-delta, "
              "lora-adapter")):

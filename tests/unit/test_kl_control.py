@@ -390,3 +390,25 @@ def test_bf16_prediction_at_realistic_step_sizes(arch_dir, name, lr, logra):
     diffs = {n: (bf16_new[n].float() - bf16_old[n].float()) / seen["alpha"] for n in params}
     k_bf16 = kl.quadratic_form(objs.model, batch[0], UpdateTangents(dense=diffs))
     assert not k_bf16 == pytest.approx(seen["k"], rel=0.5), (k_bf16, seen["k"])
+
+
+def test_measure_mode_takes_the_plain_step_and_logs_its_kl(arch_dir):
+    """--kl-control measure: the update goes in at alpha = 1, the weights a plain step
+    gives, while its K (= its predicted KL at alpha 1) and realized KL are logged; the
+    same budget under predicted control would have scaled it far down."""
+    arch = load_arch(arch_dir)
+    batch = _batch(arch.vocab_size)
+    plain, measured = _objects(arch, "logra"), _objects(arch, "logra")
+    for objs in (plain, measured):
+        _step_then_grads(objs, batch, arch.vocab_size)
+    plain.optimizer.step()
+    kl = PredictedKLStep(KLControlConfig(control="measure", budget=1e-9, budget_final=1e-9),
+                         temperature=0.8, vocab_size=arch.vocab_size)
+    ok, _, record = kl.step(measured, 1, batch[0], None)
+    assert ok and record["alpha"] == 1.0
+    assert record["kl_pred"] == record["kl_quadratic"] > 0
+    assert kl_control.step_scale(record["kl_quadratic"], 1e-9, 3.0) < 0.01
+    assert record["kl_realized"] > 0 and math.isfinite(record["kl_realized"])
+    for (name, p), q in zip(unwrap(plain.model[0]).named_parameters(),
+                            unwrap(measured.model[0]).parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7, msg=name)
