@@ -12,7 +12,8 @@ launched as a child process of trainer rank 0 on a free port:
 - on CPU: linear weights kept live (``MLOGRA_LIVE_WEIGHTS=1``), a token budget that
   never splits a prompt, and at TP1 the engine in the server's own process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: it starts in ~15 s instead of ~30 s);
-- it dies with trainer rank 0 (``PR_SET_PDEATHSIG``, kept across exec); ``stop`` and
+- it dies with trainer rank 0 (``PR_SET_PDEATHSIG``, kept across exec; its engine core
+  and workers die with it: ``weight_sync.vllm_plugin``); ``stop`` and
   ``kill`` end its main process, then what is left of its process group, and unlink
   the /dev/shm files its processes had mapped (found by inode);
 - ``MLOGRA_ENGINE_START`` numbers the servers this run started (fault injection,
@@ -34,6 +35,7 @@ from megatron_logra.rollout.types import EngineConfig
 from megatron_logra.rollout.vllm_server import BACKEND
 from megatron_logra.runtime.device import free_port
 from megatron_logra.weight_sync.cpu_live_weights import LIVE_WEIGHTS_ENV
+from megatron_logra.weight_sync.vllm_plugin import DIE_WITH_PARENT_ENV
 
 ENGINE_START_ENV = "MLOGRA_ENGINE_START"
 SHM = Path("/dev/shm")
@@ -70,6 +72,7 @@ def server_env(cfg: EngineConfig, engine_start: int, *, cuda: bool) -> dict[str,
     ``cfg.env`` (its placement; it wins)."""
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
     env[ENGINE_START_ENV] = str(engine_start)
+    env[DIE_WITH_PARENT_ENV] = "1"  # every process of it dies with its parent (vllm_plugin)
     if cfg.lora_rank:
         env[RUNTIME_LORA_ENV] = "True"
     env.setdefault("VLLM_CACHE_ROOT", str(Path(cfg.model_dir) / ".vllm-cache"))

@@ -4,7 +4,11 @@ every one of its processes (API server, engine core, workers) before a model is 
 It registers the ``mlogra`` weight-transfer backend (``weight_sync.vllm_backend``, imported
 lazily by vLLM's factory when a server is configured for it) and, where the environment
 asks for it (``MLOGRA_LIVE_WEIGHTS=1``, on vLLM's CPU platform), keeps CPU linear weights
-live (``cpu_live_weights``) so pushes can update them in place. It imports nothing of
+live (``cpu_live_weights``) so pushes can update them in place. In a server trainer
+rank 0 started (``MLOGRA_DIE_WITH_PARENT=1``, ``rollout.server_process``) every vLLM
+process dies with the process that started it (``PR_SET_PDEATHSIG``), so a trainer rank 0
+killed outright takes the whole server with it: its API server dies with rank 0, the
+engine core with the API server, the workers with the engine core. It imports nothing of
 megatron-core and touches nothing else.
 """
 
@@ -13,10 +17,18 @@ from __future__ import annotations
 BACKEND_MODULE = "megatron_logra.weight_sync.vllm_backend"
 BACKEND_CLASS = "MlograWeightTransferEngine"
 BACKEND = "mlogra"
+DIE_WITH_PARENT_ENV = "MLOGRA_DIE_WITH_PARENT"
 
 
 def register() -> None:
+    import os
+
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if os.environ.get(DIE_WITH_PARENT_ENV) == "1":
+        from megatron_logra.runtime.processes import die_with_parent
+
+        die_with_parent()
 
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, BACKEND_MODULE, BACKEND_CLASS)
