@@ -343,7 +343,8 @@ def _gain_curve(run: list) -> dict[int, float]:
 def _fig5a(path: Path) -> bool:
     """Training against rank (quality runs of LoGRA at r=16, 64, 256, with dense Adam):
     left, each run's pass@1 gain over its own start per update (thin: seeds; thick: the
-    mean over seeds where every seed has the update); right, the gain at the longest
+    mean over seeds where every seed has the update, dashed: the mean over the seeds
+    that ran further); right, the gain at the longest
     horizon every rank reached on some seed, per seed that reached it, against the rank."""
     import matplotlib
 
@@ -366,6 +367,10 @@ def _fig5a(path: Path) -> bool:
         shared = sorted(set.intersection(*(set(r) for r in runs)))
         left.plot(shared, [sum(r[u] for r in runs) / len(runs) for u in shared], color=color,
                   lw=2, label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        beyond = sorted(set().union(*runs) - set(shared[:-1]))
+        if len(beyond) > 1:  # past the shared updates: the mean over the seeds there, dashed
+            left.plot(beyond, [sum(r[u] for r in runs if u in r) / sum(u in r for r in runs)
+                               for u in beyond], color=color, lw=1.5, ls="--")
         at = [r[horizon] for r in runs if horizon in r]
         x = dict(ranks.values()).get(label) if label != "dense Adam" else None
         if x is None:
