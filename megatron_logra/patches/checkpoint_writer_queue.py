@@ -23,14 +23,8 @@ from multiprocessing.managers import SyncManager
 from megatron_logra.runtime import versions
 from megatron_logra.runtime.processes import die_with_parent
 
-_APPLIED = False
-
-
+@versions.patch_once("megatron_logra.patches.checkpoint_writer_queue")
 def apply() -> None:
-    global _APPLIED
-    if _APPLIED:
-        return
-    versions.require("megatron-core", "megatron_logra.patches.checkpoint_writer_queue")
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     def results_queue():
@@ -41,4 +35,3 @@ def apply() -> None:
         return filesystem_async._results_queue
 
     filesystem_async._get_write_results_queue = results_queue
-    _APPLIED = True

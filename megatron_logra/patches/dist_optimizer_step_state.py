@@ -18,14 +18,8 @@ from __future__ import annotations
 
 from megatron_logra.runtime import versions
 
-_APPLIED = False
-
-
+@versions.patch_once("megatron_logra.patches.dist_optimizer_step_state")
 def apply() -> None:
-    global _APPLIED
-    if _APPLIED:
-        return
-    versions.require("megatron-core", "megatron_logra.patches.dist_optimizer_step_state")
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = DistributedOptimizer._set_main_param_and_optimizer_states
@@ -40,4 +34,3 @@ def apply() -> None:
             destination[key].copy_(value)
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states_present_in_source
-    _APPLIED = True

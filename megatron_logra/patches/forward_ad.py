@@ -28,9 +28,6 @@ from torch.autograd import forward_ad
 
 from megatron_logra.runtime import versions
 
-_APPLIED = False
-
-
 def _forward_ad_active() -> bool:
     return forward_ad._current_level >= 0
 
@@ -62,11 +59,8 @@ def _linear_jvp(x, weight, bias, x_t, weight_t, bias_t):
     return out
 
 
+@versions.patch_once("megatron_logra.patches.forward_ad")
 def apply() -> None:
-    global _APPLIED
-    if _APPLIED:
-        return
-    versions.require("megatron-core", "megatron_logra.patches.forward_ad")
     from megatron.core import utils
     from megatron.core.tensor_parallel import layers, mappings
 
@@ -111,4 +105,3 @@ def apply() -> None:
     frozen.forward = staticmethod(_keeping_primals(frozen.forward, 3))
     frozen.jvp = staticmethod(frozen_linear_jvp)
     utils.MakeViewlessTensor.jvp = staticmethod(lambda ctx, x_t, _requires_grad: x_t)
-    _APPLIED = True

