@@ -157,8 +157,10 @@ class RLConfig:
         steps = self.steps_per_update
         if steps > 1 and self.kl.control != "none":
             raise ValueError(
-                f"--kl-control {self.kl.control} sizes (or measures) the one optimizer step of each rollout batch "
-                f"against that update's KL budget; --ppo-epochs {self.ppo_epochs} x "
+                f"--kl-control {self.kl.control} "
+                f"{'sizes' if self.kl.control == 'predicted' else 'measures'} the one "
+                f"optimizer step of each rollout batch against that update's KL budget; "
+                f"--ppo-epochs {self.ppo_epochs} x "
                 f"--ppo-minibatches {self.ppo_minibatches} = {steps} steps per batch would "
                 f"each move the policy with no budget left for the others. Use --kl-control "
                 f"none with several steps per batch (ratio clipping bounds them), or one step "
