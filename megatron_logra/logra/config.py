@@ -24,6 +24,14 @@ def parse_targets(spec: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in spec.split(",") if t.strip())
 
 
+def check_targets(flag: str, targets: tuple[str, ...], allowed: tuple[str, ...]) -> None:
+    """Refuse an empty ``targets`` or one naming a linear outside ``allowed`` (``flag``
+    names the setting in the error)."""
+    if not targets or any(t not in allowed for t in targets):
+        raise ValueError(f"{flag} {','.join(targets)!r}: choose a comma list "
+                         f"from {','.join(allowed)}")
+
+
 @dataclass(frozen=True)
 class LograConfig:
     """LoGRA's sketch and RowAdam settings (``--optimizer logra``)."""
@@ -67,10 +75,7 @@ class LograConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        unknown = [t for t in self.targets if t not in TARGETS]
-        if unknown or not self.targets:
-            raise ValueError(f"--logra-targets {','.join(self.targets)!r}: choose a comma list "
-                             f"from {','.join(TARGETS)}")
+        check_targets("--logra-targets", self.targets, TARGETS)
         if self.rank < 1:
             raise ValueError(f"--logra-rank {self.rank} must be >= 1 (the paper uses 256)")
         if self.refresh_interval < 1:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from megatron_logra.flags import check_fields, flag_spec
-from megatron_logra.logra.config import DEFAULT_TARGETS, parse_targets
+from megatron_logra.logra.config import DEFAULT_TARGETS, check_targets, parse_targets
 from megatron_logra.model.arch import LINEAR_TARGETS
 
 TARGETS = LINEAR_TARGETS
@@ -34,9 +34,6 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        unknown = [t for t in self.targets if t not in TARGETS]
-        if unknown or not self.targets:
-            raise ValueError(f"--lora-targets {','.join(self.targets)!r}: choose a comma list "
-                             f"from {','.join(TARGETS)}")
+        check_targets("--lora-targets", self.targets, TARGETS)
         if self.dropout >= 1:
             raise ValueError(f"--lora-dropout {self.dropout} must be in [0, 1)")
