@@ -77,13 +77,13 @@ def collect(model: str, updates: int) -> Path:
     """Run ``updates`` dense Adam RL updates and save each one's sketched-weight gradients
     (fp32, megatron's layout) to runs/figures/grads-MODEL/update_NNN.pt."""
     from megatron_logra.cli import parse_run_config
-    from megatron_logra.rl.loop import RLRun
+    from megatron_logra.rl.stage import RLStage
 
     out = RUNS / f"grads-{model}"
     out.mkdir(parents=True, exist_ok=True)
     argv = (SMOLLM2 + ["--load", str(REPO / "runs/quality/warm-start/ckpt"), "--finetune"]
             if model == "smollm2" else TINY_RL + ["--load", str(_tiny_warm_start())])
-    run = RLRun(parse_run_config([*argv, "--train-iters", str(updates), "--output-dir",
+    run = RLStage(parse_run_config([*argv, "--train-iters", str(updates), "--output-dir",
                                   str(out / "run"), "--seed", "1", "--rollout-seed", "1"]))
     params = _sketched_params(run.objs.model)
     optimizer, step = run.objs.optimizer, run.objs.optimizer.step
@@ -98,10 +98,7 @@ def collect(model: str, updates: int) -> Path:
     optimizer.step = step_and_save
     for update in range(updates):
         current["update"] = update
-        samples, record = run.rollout_batch(update)
-        record.update(run.train(samples, update))
-        run.version = update + 1
-        run.push_weights()
+        record = run.step(update)
         print(f"[figures] {model} update {update + 1}/{updates}: reward "
               f"{record['reward_mean']:.3f}", flush=True)
     run.close()

@@ -292,9 +292,12 @@ def train(objs, batches: list) -> list[dict]:
 
 def resume_check(arch, variant: str, steps: tuple[int, int], ckpt: Path, te: bool) -> dict:
     """Train ``steps[0]`` steps, save, train ``steps[1]`` more; fresh objects load the save
-    (as ``training.prepare`` resumes: optimizer state, then the scheduler from the extra
-    state) and train the same ``steps[1]`` steps again."""
-    from megatron_logra.training import checkpointing
+    (as ``training.prepare`` resumes: optimizer state, then the scheduler, a registered
+    resumable part) and train the same ``steps[1]`` steps again."""
+    from megatron_logra.checkpoint.load import load_checkpoint
+    from megatron_logra.checkpoint.meta import CheckpointMeta, optimizer_sharding
+    from megatron_logra.checkpoint.save import save_checkpoint
+    from megatron_logra.checkpoint.state import ResumableState
 
     n1, n2 = steps
     batches = [token_batch(arch, step) for step in range(n1 + n2)]
@@ -303,16 +306,17 @@ def resume_check(arch, variant: str, steps: tuple[int, int], ckpt: Path, te: boo
     objs = build(arch, opt, decay, transformer_engine=te)
     initial = weights(objs)
     before = train(objs, batches[:n1])
-    meta = {"arch": arch.to_dict(), "optimizer_sharding": checkpointing.optimizer_sharding(True)}
-    checkpointing.save_checkpoint(ckpt, n1, objs, {"scheduler": objs.scheduler.state_dict()},
-                                  meta)
+    state = ResumableState()
+    state.register("scheduler", objs.scheduler)
+    meta = CheckpointMeta(step=n1, arch=arch.to_dict(), optimizer_sharding=optimizer_sharding(True))
+    save_checkpoint(ckpt, objs, state.state_dict(), meta)
     straight = train(objs, batches[n1:])
     final = weights(objs)
     del objs
     fresh = build(arch, opt, decay, transformer_engine=te)
-    extra, _ = checkpointing.load_checkpoint(ckpt, fresh, weights_only=False,
-                                             sharding=checkpointing.optimizer_sharding(True))
-    fresh.scheduler.load_state_dict(extra["scheduler"])
+    resumed_state, _ = load_checkpoint(ckpt, fresh, weights_only=False,
+                                       sharding=optimizer_sharding(True))
+    ResumableState(resumed_state).register("scheduler", fresh.scheduler, required=True)
     resumed = train(fresh, batches[n1:])
     resumed_final = weights(fresh)
     del fresh

@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     from megatron_logra.weight_sync.full_weights import full_push
     from megatron_logra.weight_sync.sketch_rows import owned_updates
     from megatron_logra.cli import parse_run_config
-    from megatron_logra.rl.loop import RLRun
+    from megatron_logra.rl.stage import RLStage
     from megatron_logra.testing.batches import random_microbatches
     from megatron_logra.training.step import train_step
 
@@ -121,15 +121,15 @@ def main(argv=None) -> None:
         "--max-new-tokens", "8",
         "--micro-batch-size", "2", "--prompts-per-step", "1", "--responses-per-prompt", "2",
         "--output-dir", str(out_dir)])
-    run = RLRun(cfg)
+    run = RLStage(cfg)
     objs, arch = run.objs, run.objs.arch
     rows: list[dict] = []
 
     def exact_now() -> bool:
-        return run.weights.engine_mismatches(run.engine) == 0
+        return run.source.weights.engine_mismatches(run.engine) == 0
 
     try:
-        run.weights.track_changes()  # the sparse-delta base, recorded by every full push
+        run.source.weights.track_changes()  # the sparse-delta base, recorded by every full push
         run.push_weights(transport="full")
         exact = True
         for update in range(args.updates):
@@ -147,7 +147,7 @@ def main(argv=None) -> None:
             delta_bytes = run.sync_stats.bytes - before
             exact = exact and exact_now()
             _, full_assembly = _timed(lambda: [b for b in full_push(
-                objs.model, arch, run.weights.plan, dtype=torch.bfloat16)])
+                objs.model, arch, run.source.weights.plan, dtype=torch.bfloat16)])
             before = run.sync_stats.bytes
             _, full_time = _timed(lambda: run.push_weights(transport="full"))  # same weights
             rows.append({"update": update + 1, "transport": transport,

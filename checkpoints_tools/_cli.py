@@ -1,4 +1,4 @@
-"""Shared plumbing of the checkpoint tools: dtype flag, error reporting."""
+"""Shared plumbing of the checkpoint tools: their parser, dtype flag, error reporting."""
 
 from __future__ import annotations
 
@@ -7,6 +7,14 @@ import sys
 from typing import Callable
 
 DTYPE_CHOICES = ("bf16", "fp32", "fp16")
+
+
+def tool_parser(module: str, doc: str, launcher: str = "") -> argparse.ArgumentParser:
+    """The parser of ``python -m checkpoints_tools.MODULE`` (``launcher`` before it, e.g.
+    torchrun), described by the first paragraph of the tool's docstring ``doc``."""
+    return argparse.ArgumentParser(prog=f"{launcher}python -m checkpoints_tools.{module}",
+                                   description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
 def add_dtype_flag(parser: argparse.ArgumentParser, default: str) -> None:

@@ -11,13 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from checkpoints_tools._cli import add_dtype_flag, run_tool
+from checkpoints_tools._cli import add_dtype_flag, run_tool, tool_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m checkpoints_tools.hf_to_megatron",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = tool_parser("hf_to_megatron", __doc__)
     p.add_argument("--hf-dir", required=True, help="HF model folder (config.json + safetensors)")
     p.add_argument("--out", required=True, help="checkpoint folder to create")
     add_dtype_flag(p, default="fp32")

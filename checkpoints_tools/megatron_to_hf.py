@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from checkpoints_tools._cli import add_dtype_flag, run_tool
+from checkpoints_tools._cli import add_dtype_flag, run_tool, tool_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m checkpoints_tools.megatron_to_hf",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = tool_parser("megatron_to_hf", __doc__)
     p.add_argument("--ckpt", required=True,
                    help="checkpoint folder (follows its 'latest') or one iter_* folder")
     p.add_argument("--out", required=True, help="HF folder to create")

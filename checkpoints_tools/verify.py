@@ -14,13 +14,11 @@ import argparse
 import os
 import sys
 
-from checkpoints_tools._cli import run_tool
+from checkpoints_tools._cli import run_tool, tool_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="[torchrun ...] python -m checkpoints_tools.verify",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = tool_parser("verify", __doc__, launcher="[torchrun ...] ")
     p.add_argument("--hf-dir", required=True, help="HF model folder (the reference)")
     p.add_argument("--ckpt", required=True, help="megatron checkpoint folder or iter_* folder")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP degree")
@@ -34,16 +32,16 @@ def main(argv: list[str] | None = None) -> int:
     status = {"code": 0}
 
     def body() -> None:
-        from megatron_logra.convert.verify import report, verify_checkpoint
+        from megatron_logra.convert.logits_parity import check_logits_parity, report
         from megatron_logra.runtime.parallel import ParallelConfig
 
         ParallelConfig(args.tensor_model_parallel_size,
                        args.pipeline_model_parallel_size).validate(
             int(os.environ.get("WORLD_SIZE", "1")))
-        result = verify_checkpoint(args.hf_dir, args.ckpt,
-                                   tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                   pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                                   tolerance=args.tolerance)
+        result = check_logits_parity(
+            args.hf_dir, args.ckpt, tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            tolerance=args.tolerance)
         if int(os.environ.get("RANK", "0")) == 0:
             print(report(result), flush=True)
         status["code"] = 0 if result.ok else 1

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if cfg.training.stage == "rl":
-        from megatron_logra.rl.loop import run_rl
+        from megatron_logra.rl.stage import run_rl
 
         run_rl(cfg)
     else:

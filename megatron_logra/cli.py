@@ -88,11 +88,11 @@ def _load_source(args: argparse.Namespace) -> tuple[str, str, bool]:
     if args.load and is_hf_folder(args.load):
         load_format, weights_only = "hf", True
     elif args.load:
-        from megatron_logra.model.checkpoint_dir import read_meta, resolve_load_dir
+        from megatron_logra.checkpoint.layout import resolve_load_dir
+        from megatron_logra.checkpoint.meta import read_meta
 
         try:
-            weights_only = weights_only or bool(read_meta(resolve_load_dir(args.load)).get(
-                "weights_only"))
+            weights_only = weights_only or read_meta(resolve_load_dir(args.load)).weights_only
         except (FileNotFoundError, ValueError) as exc:
             raise ConfigError(f"--load: {exc}") from None
     model_dir = args.model_dir or (args.load if load_format == "hf" else str(EMBEDDED_DEFAULT))

@@ -25,9 +25,9 @@ from megatron_logra.model.hf_mapping import hf_from_megatron, megatron_param_nam
 _PREFIX = "base_model.model."
 
 
-def lora_of_checkpoint(meta: dict) -> LoraConfig | None:
-    """The LoRA settings a checkpoint was trained with (its ``megatron_logra.json``), or None."""
-    opt = (meta.get("config") or {}).get("optimizer") or {}
+def lora_of_checkpoint(meta) -> LoraConfig | None:
+    """The LoRA settings a checkpoint was trained with (its ``CheckpointMeta``), or None."""
+    opt = (meta.config or {}).get("optimizer") or {}
     if opt.get("peft") != "lora":
         return None
     cfg = dict(opt["lora"])

@@ -23,14 +23,13 @@ from typing import Callable
 
 import torch
 
+from megatron_logra.checkpoint.load import open_checkpoint
+from megatron_logra.checkpoint.meta import CheckpointMeta
+from megatron_logra.checkpoint.save import commit_checkpoint
 from megatron_logra.convert.hf_checkpoint import HFCheckpoint
 from megatron_logra.convert.megatron_dcp import CheckpointReader, checkpoint_layout, write_checkpoint
 from megatron_logra.convert.output_dir import atomic_output_dir
 from megatron_logra.convert.safetensors_io import PlannedTensor, StreamingShardWriter
-from megatron_logra.model.checkpoint_dir import (FORMAT_VERSION, LATEST, META, check_arch,
-                                                 iter_dir_name, read_meta, require_intact,
-                                                 resolve_load_dir)
-from megatron_logra.model import checkpoint_verify
 from megatron_logra.model.arch import ModelArch, load_arch
 from megatron_logra.model.hf_mapping import (
     hf_from_megatron,
@@ -88,19 +87,14 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dtype: 
     def on_chunk(done: int, total: int, chunk) -> None:
         progress.update(done, chunk.param)
 
+    meta = CheckpointMeta(step=0, arch=arch.to_dict(), weights_only=True,
+                          source={"tool": "checkpoints_tools.hf_to_megatron",
+                                  "hf_dir": str(Path(hf_dir).absolute()),
+                                  "dtype": HF_DTYPE_NAMES[dtype]})
     with progress, atomic_output_dir(out, overwrite) as tmp:
-        ckpt = tmp / iter_dir_name(0)
-        write_checkpoint(ckpt, layout, lambda c: megatron_from_hf(arch, c.param, source,
-                                                                  rows=[c.rows]),
-                         dtype, on_chunk)
-        meta = {"format_version": FORMAT_VERSION, "step": 0, "arch": arch.to_dict(),
-                "weights_only": True, "optimizer_sharding": None,
-                "source": {"tool": "checkpoints_tools.hf_to_megatron",
-                           "hf_dir": str(Path(hf_dir).absolute()),
-                           "dtype": HF_DTYPE_NAMES[dtype]}}
-        (ckpt / META).write_text(json.dumps(meta, indent=1))
-        checkpoint_verify.seal(ckpt)
-        (tmp / LATEST).write_text(ckpt.name + "\n")
+        commit_checkpoint(tmp, meta, lambda ckpt: write_checkpoint(
+            ckpt, layout, lambda c: megatron_from_hf(arch, c.param, source, rows=[c.rows]),
+            dtype, on_chunk))
     log(f"[hf_to_megatron] wrote {out} in {time.perf_counter() - t0:.1f}s")
     return Path(out)
 
@@ -134,16 +128,13 @@ def megatron_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *,
     t0 = time.perf_counter()
     hf_config_from = Path(hf_config_from)
     arch = load_arch(hf_config_from)
-    ckpt_dir = resolve_load_dir(ckpt)
-    require_intact(ckpt_dir)
-    meta = read_meta(ckpt_dir)
-    check_arch(meta, arch, ckpt_dir)
+    _init_single_process()
+    ckpt_dir, meta = open_checkpoint(ckpt, arch)
     lora = lora_export.lora_of_checkpoint(meta)
     if adapter_out is not None and lora is None:
         raise ValueError(f"--adapter-out: {ckpt_dir} was not trained with --peft lora, it "
                          f"holds no adapter; drop --adapter-out")
     reader = CheckpointReader(ckpt_dir)
-    _init_single_process()
     build = None
     if lora is not None:
         from megatron_logra.lora.model_spec import LoraAdapters

@@ -83,7 +83,7 @@ def policy_gradient_loss(vocab_size: int, temperature: float, objective: PolicyO
                          batch: dict[str, torch.Tensor], logits: torch.Tensor):
     """The trainer's loss function (``training.step.LossFn``): ``rl.objective`` over the
     microbatch's generated tokens. ``batch["old_logprobs"]`` holds the logprobs the update
-    started from when it takes several optimizer steps (``RLRun.old_logprobs``); without
+    started from when it takes several optimizer steps (``PolicyUpdate.old_logprobs``); without
     it the current ones are the old ones (one step per rollout batch)."""
     mask = batch["loss_mask"]
     logp = token_logprobs(logits, batch["labels"], vocab_size, temperature)
@@ -105,6 +105,6 @@ def policy_gradient_loss(vocab_size: int, temperature: float, objective: PolicyO
 def logprobs_report(vocab_size: int, temperature: float, batch: dict[str, torch.Tensor],
                     logits: torch.Tensor):
     """Forward-only loss function: the microbatch's token logprobs [b, s] as its report
-    (``RLRun.old_logprobs``)."""
+    (``PolicyUpdate.old_logprobs``)."""
     logp = token_logprobs(logits, batch["labels"], vocab_size, temperature)
     return logp.sum() * 0, batch["loss_mask"].sum().to(torch.int), {"logprobs": logp.detach()}

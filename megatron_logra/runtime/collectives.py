@@ -73,6 +73,29 @@ def rank0_value(value: T, *, group: dist.ProcessGroup | None = None, src: int = 
     return from_rank0(lambda: value, group=group, src=src)
 
 
+def every_rank(value: T, *, group: dist.ProcessGroup | None = None) -> list[T]:
+    """Collective: every rank's ``value`` (picklable), in rank order; ``[value]`` without
+    torch.distributed."""
+    if not dist.is_initialized():
+        return [value]
+    values: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(this process's global rank, the world size); (0, 1) without torch.distributed."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def barrier() -> None:
+    """``dist.barrier()`` where torch.distributed is up (a no-op in one plain process)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def _describe(exc: Exception) -> tuple[bytes | None, str, str]:
     """(the pickled exception, or None where it would not come back the same; its type's
     name; its message)."""

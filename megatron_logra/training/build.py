@@ -38,6 +38,7 @@ from megatron_logra.model.provider import (ModelBuildConfig, build_gpt_model,
 from megatron_logra.patches import apply_all as apply_megatron_patches
 from megatron_logra.runtime.device import current_device
 from megatron_logra.runtime.phase_times import PHASES
+from megatron_logra.training.megatron_optimizer import reload_model_params
 
 
 @dataclass
@@ -61,6 +62,13 @@ class TrainingObjects:
         """megatron's optimizer: every trained param (dense Adam, LoRA), or LoGRA's
         unsketched ones (None when LoGRA freezes them, the paper's setting)."""
         return self.optimizer.dense if self.logra is not None else self.optimizer
+
+    def reload_main_params(self) -> None:
+        """Refresh the optimizers' fp32 main copies (LoGRA's masters, megatron's main params)
+        after the model weights changed underneath (a weights-only load)."""
+        if self.logra is not None:
+            self.logra.reload_masters()
+        reload_model_params(self.dense_optimizer)
 
     def logra_stats(self) -> dict[str, float]:
         """LoGRA's figures of the last step, as metrics (``logra_*``; none without LoGRA)."""

@@ -16,7 +16,7 @@ against 0.16.1 (importing this module refuses another version: ``runtime.version
   ``shard_fp32_from_float16_groups``, ``_get_model_param_range_map(param)["param"]``,
   ``data_parallel_group`` and ``model_chunks`` (the DDP chunks' ``start_param_sync``).
 
-Who reads them: ``kl.held_back_step`` (the held-back, rescaled step), ``training.checkpointing``
+Who reads them: ``kl.held_back_step`` (the held-back, rescaled step), ``checkpoint.load``
 (Adam state before a load, main params after the weights changed) and the memory
 benchmark (``benchmarks/_train_probe.py``). Check the attributes above before widening
 the supported version.

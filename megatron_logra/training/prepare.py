@@ -3,18 +3,22 @@
 ``prepare_training(cfg)`` brings up the runtime and megatron-core's groups, builds the
 model and its optimizer (``training.build``), loads ``--load`` (HF weights, or a
 checkpoint to resume or finetune from) and writes ``config.json``. The SFT stage
-(``training.sft``) and the RL stage (``rl.loop``) run from what it returns.
+(``training.sft``) and the RL stage (``rl.stage``) run from what it returns.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron.core import parallel_state
 
+from megatron_logra.checkpoint.layout import resolve_load_dir
+from megatron_logra.checkpoint.load import find_resume_checkpoint, load_checkpoint
+from megatron_logra.checkpoint.meta import optimizer_sharding
+from megatron_logra.checkpoint.state import ResumableState
 from megatron_logra.config import RunConfig
 from megatron_logra.convert.hf_checkpoint import load_hf_weights
 from megatron_logra.data.tokenizer import load_tokenizer
@@ -22,31 +26,25 @@ from megatron_logra.model.arch import load_arch
 from megatron_logra.model.provider import ModelBuildConfig, transformer_engine_available
 from megatron_logra.runtime import parallel
 from megatron_logra.runtime.device import init_runtime
-from megatron_logra.training import checkpointing
 from megatron_logra.training.build import TrainingObjects, build_training_objects
 
 
-@dataclass
-class RunResult:
-    records: list[dict] = field(default_factory=list)
-    objects: TrainingObjects | None = None
-    last_checkpoint: Path | None = None
-
-
 def _checkpoint_meta(cfg: RunConfig, arch) -> dict:
+    """The ``CheckpointMeta`` fields of this run's checkpoints, less the step."""
     return {"arch": arch.to_dict(), "config": cfg.to_dict(),
-            "optimizer_sharding": checkpointing.optimizer_sharding(
-                cfg.optimizer.use_distributed_optimizer)}
+            "optimizer_sharding": optimizer_sharding(cfg.optimizer.use_distributed_optimizer)}
 
 
 @dataclass
 class Prepared:
-    """What every stage starts from: the built (and loaded) training objects."""
+    """What every stage starts from: the built (and loaded) training objects, and the
+    resumable state (the scheduler registered; a stage registers its own parts, which a
+    resumed run restores as they register)."""
 
     objs: TrainingObjects
     tokenizer: object
     start_step: int
-    extra_state: dict | None  # the checkpoint's extra state when resuming
+    resumable: ResumableState
     checkpoint_meta: dict
 
     @property
@@ -64,7 +62,7 @@ def _resume_checkpoint(ck, is_logger: bool) -> Path | None:
     in --save that verifies (collective), or None (then --load as given)."""
     if not ck.save or not (ck.auto_resume or restarted_by_torchrun()):
         return None
-    found, passed_over = checkpointing.find_resume_checkpoint(ck.save)
+    found, passed_over = find_resume_checkpoint(ck.save)
     if is_logger:
         for why in passed_over:
             print(f"auto-resume: passing over a damaged checkpoint: {why}", flush=True)
@@ -106,35 +104,9 @@ def prepare_training(cfg: RunConfig) -> Prepared:
                              else impl == "transformer_engine")
     objs = build_training_objects(arch, build, cfg.optimizer, seed=cfg.training.seed,
                                   train_iters=cfg.training.train_iters)
-    start_step, extra = 0, None
-    ck = cfg.checkpoint
-    resume = _resume_checkpoint(ck, is_logger)
-    if resume is not None:
-        extra, meta = checkpointing.load_checkpoint(
-            resume, objs, weights_only=False,
-            sharding=checkpointing.optimizer_sharding(cfg.optimizer.use_distributed_optimizer))
-        start_step = int(meta["step"])
-        objs.scheduler.load_state_dict(extra["scheduler"])
-        if is_logger:
-            print(f"resumed from {resume} at step {start_step}", flush=True)
-    elif ck.load and ck.load_format == "hf":
-        load_hf_weights(objs.model, arch, ck.load)
-        checkpointing.reload_main_params(objs)
-        if is_logger:
-            print(f"loaded HF weights from {ck.load} (each rank read its own slices)", flush=True)
-    elif ck.load:
-        extra, meta = checkpointing.load_checkpoint(
-            ck.load, objs, weights_only=ck.finetune,
-            sharding=checkpointing.optimizer_sharding(cfg.optimizer.use_distributed_optimizer))
-        if not ck.finetune:
-            start_step = int(meta["step"])
-            objs.scheduler.load_state_dict(extra["scheduler"])
-        else:
-            extra = None
-        if is_logger:
-            print(f"loaded {checkpointing.resolve_load_dir(ck.load)} "
-                  f"({'weights only' if ck.finetune else f'resuming at step {start_step}'})",
-                  flush=True)
+    start_step, resumed = _load(cfg, objs, arch, is_logger)
+    resumable = ResumableState(resumed)
+    resumable.register("scheduler", objs.scheduler, required=True)
     out_dir = Path(cfg.output_dir)
     if is_logger:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -143,4 +115,34 @@ def prepare_training(cfg: RunConfig) -> Prepared:
              "data_parallel_size": parallel_state.get_data_parallel_world_size(),
              "device": str(rt.device), "backend": rt.backend,
              "flags": cfg.flag_sources}, indent=1))
-    return Prepared(objs, tokenizer, start_step, extra, _checkpoint_meta(cfg, arch))
+    return Prepared(objs, tokenizer, start_step, resumable, _checkpoint_meta(cfg, arch))
+
+
+def _load(cfg: RunConfig, objs: TrainingObjects, arch, is_logger: bool) -> tuple[int, dict]:
+    """Resume (``--auto-resume``, a torchrun restart, or ``--load`` of a training checkpoint)
+    or load weights (HF, or ``--finetune``) -> (the step to start from, the resumable
+    parts' states; {} when not resuming)."""
+    ck = cfg.checkpoint
+    sharding = optimizer_sharding(cfg.optimizer.use_distributed_optimizer)
+    resume = _resume_checkpoint(ck, is_logger)
+    if resume is not None:
+        resumed, meta = load_checkpoint(resume, objs, weights_only=False, sharding=sharding)
+        if is_logger:
+            print(f"resumed from {resume} at step {meta.step}", flush=True)
+        return meta.step, resumed
+    if ck.load and ck.load_format == "hf":
+        load_hf_weights(objs.model, arch, ck.load)
+        objs.reload_main_params()
+        if is_logger:
+            print(f"loaded HF weights from {ck.load} (each rank read its own slices)", flush=True)
+        return 0, {}
+    if ck.load:
+        resumed, meta = load_checkpoint(ck.load, objs, weights_only=ck.finetune,
+                                        sharding=sharding)
+        start = 0 if ck.finetune else meta.step
+        if is_logger:
+            print(f"loaded {resolve_load_dir(ck.load)} "
+                  f"({'weights only' if ck.finetune else f'resuming at step {start}'})",
+                  flush=True)
+        return start, resumed
+    return 0, {}

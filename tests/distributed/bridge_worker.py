@@ -20,7 +20,6 @@ import faulthandler
 import json
 import os
 import sys
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -55,14 +54,14 @@ TRANSPORTS = ["sparse-delta", "sketch-delta", "sketch-delta", "full"]
 def _trainer_hf(run) -> dict[str, torch.Tensor]:
     from megatron_logra.weight_sync.full_weights import full_push
 
-    return {n: t for bucket in full_push(run.objs.model, run.objs.arch, run.weights.plan,
+    return {n: t for bucket in full_push(run.objs.model, run.objs.arch, run.source.weights.plan,
                                          dtype=torch.bfloat16) for n, t in bucket}
 
 
 def _differing(run) -> list[str] | None:
     """The HF tensors the server holds differently from the trainer (rank 0): vLLM's
     checksums against the ones the trainer's weights make."""
-    names, failed = run.weights.full.mismatches(run.engine)
+    names, failed = run.source.weights.full.mismatches(run.engine)
     assert not failed, failed
     return names if dist.get_rank() == 0 else None
 
@@ -81,25 +80,21 @@ def _refused(run) -> bool:
 
 def _check_layout(argv: list[str], kill_engine: bool = False) -> dict:
     from megatron_logra.cli import parse_run_config
-    from megatron_logra.rl.loop import RLRun
-    from rl_worker import engine_logprobs, trainer_logprobs
+    from megatron_logra.rl.stage import RLStage
+    from rl_worker import engine_logprobs, plus_minus_advantages, trainer_logprobs
 
-    run = RLRun(parse_run_config(argv))
+    run = RLStage(parse_run_config(argv))
     out = {"transports": [], "bytes": [], "differing": []}
     try:
-        run.weights.track_changes()  # the sparse-delta base: recorded by the next full push
+        run.source.weights.track_changes()  # the sparse-delta base: recorded by the next full push
         run.push_weights(transport="full")
         for update, transport in enumerate(TRANSPORTS):
             if kill_engine and update == KILL_BEFORE_UPDATE and dist.get_rank() == 0:
                 run.engine.kill_for_test()
-            samples, _ = run.rollout_batch(update)
-            samples = [replace(s, advantage=1.0 if k % 2 else -1.0) for k, s in enumerate(samples)]
-            run.train(samples, update)
-            run.version = update + 1
-            before = run.sync_stats.bytes
-            run.push_weights(transport=transport)
-            out["transports"].append(run.sync_stats.last_transport)
-            out["bytes"].append(run.sync_stats.bytes - before)
+            record = run.step(update, adjust_samples=plus_minus_advantages,
+                              transport=transport)
+            out["transports"].append(record["sync_transport"])
+            out["bytes"].append(record["sync_bytes"])
             out["differing"].append(_differing(run))
         rows = torch.randint(0, run.objs.arch.vocab_size, (3, 24),
                              generator=torch.Generator().manual_seed(5))

@@ -29,11 +29,11 @@ warnings.filterwarnings("ignore")
 def _run_case(case: dict, world_size: int, device: torch.device, reference: dict) -> dict:
     from megatron_logra.convert import safetensors_io
     from megatron_logra.convert.hf_checkpoint import load_hf_weights
-    from megatron_logra.convert.verify import logits_max_diff
+    from megatron_logra.convert.logits_parity import logits_max_diff
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.provider import ModelBuildConfig, build_gpt_model
     from megatron_logra.runtime.parallel import ParallelConfig, initialize
-    from megatron_logra.model.checkpoint_dir import load_model_weights, resolve_load_dir
+    from megatron_logra.checkpoint.load import load_model_weights
 
     arch = load_arch(case["hf_dir"])
     initialize(ParallelConfig(case["tp"], case["pp"]), world_size, seed=0)
@@ -42,7 +42,7 @@ def _run_case(case: dict, world_size: int, device: torch.device, reference: dict
     if case["source"] == "hf":
         load_hf_weights(model, arch, case["hf_dir"])
     else:
-        load_model_weights(resolve_load_dir(case["ckpt"]), model, arch)
+        load_model_weights(case["ckpt"], model, arch)
     read = safetensors_io.BYTES_READ[0] - before
     own = sum(p.numel() * p.element_size() for p in model[0].parameters())
     diff, tokens = logits_max_diff(model, arch, case["hf_dir"], torch.float32, device, reference)

@@ -43,12 +43,18 @@ def engine_logprobs(run, rows: torch.Tensor) -> torch.Tensor | None:
     return torch.tensor(run.engine.prompt_logprobs(rows.tolist()), dtype=torch.float64)
 
 
+def plus_minus_advantages(samples: list) -> list:
+    """An untrained model earns no reward (zero advantages, no update): +-1 advantages make
+    the weights move, so a push has something to carry."""
+    return [replace(s, advantage=1.0 if k % 2 else -1.0) for k, s in enumerate(samples)]
+
+
 def main() -> None:
     from megatron_logra.cli import parse_run_config
-    from megatron_logra.rl.loop import RLRun
+    from megatron_logra.rl.stage import RLStage
 
     out_path, argv = sys.argv[1], sys.argv[2:]
-    run = RLRun(parse_run_config(argv))
+    run = RLStage(parse_run_config(argv))
     rows = torch.randint(0, run.objs.arch.vocab_size, (3, 24),
                          generator=torch.Generator().manual_seed(5))
     result = {"diffs": {}, "versions": [], "records": []}
@@ -64,16 +70,14 @@ def main() -> None:
 
     check("start")
     for update in range(2):
-        samples, record = run.rollout_batch(update)
-        record["advantages"] = [s.advantage for s in samples]
-        record["rewards"] = [s.reward for s in samples]
-        # an untrained model earns no reward (zero advantages, no update): give the samples
-        # +-1 advantages so that the weights move and the sync has something to carry
-        samples = [replace(s, advantage=1.0 if k % 2 else -1.0) for k, s in enumerate(samples)]
-        record.update(run.train(samples, update))
-        run.version = update + 1
-        run.push_weights()
-        result["records"].append(record)
+        rolled: dict = {}
+
+        def forced(samples):
+            rolled.update(advantages=[s.advantage for s in samples],
+                          rewards=[s.reward for s in samples])
+            return plus_minus_advantages(samples)
+        record = run.step(update, adjust_samples=forced)
+        result["records"].append({**record, **rolled})
     after = check("after_2_updates")
     result["moved"] = float((after - first).abs().max())
     if os.environ.get(KILL_ENGINE) == "1":

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from rl_worker import close_and_write, engine_logprobs, trainer_logprobs
+from rl_worker import close_and_write, engine_logprobs, plus_minus_advantages, trainer_logprobs
 
 
 def generated_tokens(url: str) -> float:
@@ -35,19 +34,19 @@ def generated_tokens(url: str) -> float:
 
 def main() -> None:
     from megatron_logra.cli import parse_run_config
-    from megatron_logra.rl.loop import RLRun
+    from megatron_logra.rl.stage import RLStage
 
     out_path, argv = sys.argv[1], sys.argv[2:]
     cfg = parse_run_config(argv)
     url = cfg.rl.rollout_engine_url
-    run = RLRun(cfg)
+    run = RLStage(cfg)
     rows = torch.randint(0, run.objs.arch.vocab_size, (3, 24),
                          generator=torch.Generator().manual_seed(5))
     result = {"checks": [], "rollouts": []}
     sent = [0]
 
     def check(label: str) -> None:
-        mismatches = run.weights.engine_mismatches(run.engine)
+        mismatches = run.source.weights.engine_mismatches(run.engine)
         mine = trainer_logprobs(run, rows)
         theirs = engine_logprobs(run, rows)
         if dist.get_rank() == 0:
@@ -62,16 +61,15 @@ def main() -> None:
     first = trainer_logprobs(run, rows)
     for update in range(2):
         before = generated_tokens(url) if dist.get_rank() == 0 else 0.0
-        samples, record = run.rollout_batch(update)
+        sample_tokens = []
+
+        def forced(samples):
+            sample_tokens.append(sum(len(s.response_ids) for s in samples))
+            return plus_minus_advantages(samples)
+        run.step(update, adjust_samples=forced)  # a push generates nothing
         if dist.get_rank() == 0:
             result["rollouts"].append({"server_tokens": generated_tokens(url) - before,
-                                       "sample_tokens": sum(len(s.response_ids)
-                                                            for s in samples)})
-        # an untrained model earns no reward: +-1 advantages make the weights move
-        samples = [replace(s, advantage=1.0 if k % 2 else -1.0) for k, s in enumerate(samples)]
-        run.train(samples, update)
-        run.version = update + 1
-        run.push_weights()
+                                       "sample_tokens": sample_tokens[0]})
         check(f"update {update + 1}")
     if dist.get_rank() == 0:  # behind the trainer's back: the next delta has no base
         run.engine.assume_version(7)

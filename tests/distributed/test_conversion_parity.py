@@ -62,8 +62,8 @@ def _write_naive_qkv_checkpoint(hf: Path, out: Path) -> None:
     from megatron_logra.convert.pipeline import _init_single_process
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.hf_mapping import megatron_from_hf
-    from megatron_logra.model import checkpoint_verify
-    from megatron_logra.model.checkpoint_dir import FORMAT_VERSION, LATEST, META
+    from megatron_logra.checkpoint.meta import CheckpointMeta
+    from megatron_logra.checkpoint.save import commit_checkpoint
 
     arch = load_arch(hf)
     source = HFCheckpoint(hf, arch)
@@ -77,12 +77,9 @@ def _write_naive_qkv_checkpoint(hf: Path, out: Path) -> None:
         naive = torch.cat([source.read(f"{prefix}.self_attn.{x}_proj.{kind}") for x in "qkv"])
         return naive[chunk.rows[0]:chunk.rows[1]]
 
-    ckpt = out / "iter_0000000"
-    write_checkpoint(ckpt, checkpoint_layout(arch), produce, torch.float32)
-    meta = {"format_version": FORMAT_VERSION, "step": 0, "arch": arch.to_dict(), "weights_only": True}
-    (ckpt / META).write_text(json.dumps(meta))
-    checkpoint_verify.seal(ckpt)
-    (out / LATEST).write_text("iter_0000000\n")
+    commit_checkpoint(out, CheckpointMeta(step=0, arch=arch.to_dict(), weights_only=True),
+                      lambda ckpt: write_checkpoint(ckpt, checkpoint_layout(arch), produce,
+                                                    torch.float32))
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +157,7 @@ def smollm2_exactness(models) -> dict[str, float]:
 
     from megatron_logra.convert.hf_checkpoint import load_hf_weights
     from megatron_logra.convert.pipeline import _init_single_process
-    from megatron_logra.convert.verify import sample_tokens
+    from megatron_logra.convert.logits_parity import sample_tokens
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.logits import model_logits
     from megatron_logra.model.provider import ModelBuildConfig, build_gpt_model

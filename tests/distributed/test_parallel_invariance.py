@@ -360,10 +360,11 @@ def test_checkpoint_layout_is_atomic(results):
     ck = results["_tmp"]["path"] / "ckpt"
     assert (ck / "latest").read_text().strip() == "iter_0000004"
     assert not list(ck.glob("*.partial")) and not list(ck.glob("*.tmp"))
-    from megatron_logra.model.checkpoint_dir import read_meta, resolve_load_dir
+    from megatron_logra.checkpoint.layout import resolve_load_dir
+    from megatron_logra.checkpoint.meta import read_meta
 
     assert resolve_load_dir(ck) == ck / "iter_0000004"
-    assert read_meta(ck / "iter_0000002")["step"] == 2
+    assert read_meta(ck / "iter_0000002").step == 2
 
 
 KL_LAYOUTS = {"adam": ["tp2_adam", "pp2_adam", "dp2_adam_do", "tp2pp2_adam_do"],

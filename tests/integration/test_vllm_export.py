@@ -38,12 +38,12 @@ def _trainer_logprobs(ckpt: Path, hf: Path, tokens: torch.Tensor) -> torch.Tenso
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.logits import model_logits
     from megatron_logra.model.provider import ModelBuildConfig, build_gpt_model
-    from megatron_logra.model.checkpoint_dir import load_model_weights, resolve_load_dir
+    from megatron_logra.checkpoint.load import load_model_weights
 
     arch = load_arch(hf)
     _init_single_process()
     model = [build_gpt_model(arch, ModelBuildConfig(), seed=5)]
-    load_model_weights(resolve_load_dir(ckpt), model, arch)
+    load_model_weights(ckpt, model, arch)
     return _token_logprobs(model_logits(model, tokens, arch.vocab_size), tokens)
 
 
@@ -71,7 +71,7 @@ def _vllm_logprobs(folder: Path, tokens: torch.Tensor, tmp: Path) -> torch.Tenso
 def scored(request, tmp_path_factory) -> dict:
     from megatron_logra.convert.gguf import ensure_smollm2_hf
     from megatron_logra.convert.pipeline import hf_to_megatron, megatron_to_hf
-    from megatron_logra.convert.verify import sample_tokens
+    from megatron_logra.convert.logits_parity import sample_tokens
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.tiny_assets import TINY_VARIANTS, write_tiny_hf_checkpoint
 

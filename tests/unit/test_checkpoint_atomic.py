@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_logra.checkpoint import save
+from megatron_logra.checkpoint.layout import resolve_load_dir
+from megatron_logra.checkpoint.meta import CheckpointMeta
 from megatron_logra.cli import parse_run_config
-from megatron_logra.training import checkpointing
 
 
 def _cfg(tmp_path, *extra):
@@ -21,26 +23,26 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
     result = run_sft(_cfg(tmp_path))
     ck = tmp_path / "ck"
-    assert checkpointing.resolve_load_dir(ck) == ck / "iter_0000002"
+    assert resolve_load_dir(ck) == ck / "iter_0000002"
 
     def crashing_save(state, directory, **kwargs):
         (tmp_path / "ck" / "iter_0000003.partial" / "half_written.distcp").write_bytes(b"\0" * 64)
         raise RuntimeError("simulated crash during save")
 
-    monkeypatch.setattr(checkpointing.dist_checkpointing, "save", crashing_save)
-    with pytest.raises(checkpointing.CheckpointSaveError,
+    monkeypatch.setattr(save.dist_checkpointing, "save", crashing_save)
+    with pytest.raises(save.CheckpointSaveError,
                        match="iter_0000003 not saved: writing the state failed .RuntimeError: "
                              "simulated crash during save.; the partial save is removed"):
-        checkpointing.save_checkpoint(ck, 3, result.objects, {}, {"arch": None})
+        save.save_checkpoint(ck, result.objects, {}, CheckpointMeta(step=3))
     monkeypatch.undo()
     assert (ck / "latest").read_text().strip() == "iter_0000002"
     assert not (ck / "iter_0000003").exists() and not (ck / "iter_0000003.partial").exists()
-    assert checkpointing.resolve_load_dir(ck) == ck / "iter_0000002"
+    assert resolve_load_dir(ck) == ck / "iter_0000002"
 
     # the previous checkpoint still loads and resumes
     resumed = run_sft(_cfg(tmp_path, "--load", str(ck), "--train-iters", "3"))
     assert [r["step"] for r in resumed.records] == [3]
-    assert checkpointing.resolve_load_dir(ck) == ck / "iter_0000003"
+    assert resolve_load_dir(ck) == ck / "iter_0000003"
 
 
 def test_resume_refuses_other_optimizer_sharding(tmp_path):

@@ -1,4 +1,4 @@
-"""Checkpoint manifests (``model.checkpoint_verify``): every file with its size and CRC32;
+"""Checkpoint manifests (``checkpoint.manifest``): every file with its size and CRC32;
 a missing, truncated, grown or corrupt file, and a missing or corrupt manifest, are
 found and named; the files split over ranks cover each file once."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_logra.model import checkpoint_verify as cv
+from megatron_logra.checkpoint import manifest as cv
 
 
 @pytest.fixture

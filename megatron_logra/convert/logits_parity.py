@@ -99,14 +99,15 @@ def logits_max_diff(model: list[torch.nn.Module], arch, hf_dir: str | Path,
     return float(diff), tokens.numel()
 
 
-def verify_checkpoint(hf_dir: str | Path, ckpt: str | Path, *, tensor_model_parallel_size: int = 1,
+def check_logits_parity(hf_dir: str | Path, ckpt: str | Path, *, tensor_model_parallel_size: int = 1,
                       pipeline_model_parallel_size: int = 1, tolerance: float = 1e-4) -> VerifyResult:
     """Run on every rank (torchrun) or in one process; every rank returns the same result."""
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.provider import ModelBuildConfig, build_gpt_model
     from megatron_logra.runtime.device import init_runtime
     from megatron_logra.runtime.parallel import ParallelConfig, initialize
-    from megatron_logra.model.checkpoint_dir import load_model_weights, resolve_load_dir
+    from megatron_logra.checkpoint.layout import resolve_load_dir
+    from megatron_logra.checkpoint.load import load_model_weights
 
     rt = init_runtime()
     layout = ParallelConfig(tensor_model_parallel_size, pipeline_model_parallel_size)

@@ -1,6 +1,6 @@
 """A checkpoint's manifest: every file with its size and CRC32, written last, checked before use.
 
-``manifest_entry(path)`` is one file's record; ``verify(ckpt_dir, files)`` checks the
+``manifest_entries(dir, files)`` are the files' records; ``verify(ckpt_dir, files)`` checks the
 listed files of a checkpoint against ``MANIFEST`` and returns the problems found, each
 naming the file (missing, truncated or grown, corrupt, or the manifest itself missing or
 unreadable). The files are split over the ranks (``files_for_rank``) so that a large
@@ -58,11 +58,6 @@ def read_manifest(ckpt_dir: Path) -> dict[str, dict]:
         return json.loads(path.read_text())["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ValueError(f"{path} is corrupt ({type(exc).__name__})") from None
-
-
-def seal(ckpt_dir: Path) -> None:
-    """Write the manifest of a checkpoint written by one process (the converters)."""
-    write_manifest(ckpt_dir, manifest_entries(ckpt_dir, checkpoint_files(ckpt_dir)))
 
 
 def check(ckpt_dir: Path, rank: int = 0, world_size: int = 1) -> list[str]:

@@ -1,0 +1,127 @@
+"""The RL stage (``--stage rl``): rollouts -> rewards -> advantages -> update -> weight sync.
+
+Rank 0 drives the rollout engine (vLLM's own server) and the verifier; every rank
+trains. ``RLStage.step(update)`` is one update, in this order:
+
+1. ``RolloutSource.rollout_batch``: P prompts x G responses from the engine, which serves
+   exactly the trainer's current weights (version = updates done), scored, with their
+   advantages, on every rank;
+2. ``PolicyUpdate.train``: the policy-gradient step(s) (dense Adam, LoRA or LoGRA);
+3. the version moves on and the new weights are pushed to the engine (``weight_sync``:
+   full, sparse-delta or sketch-delta) and committed.
+
+If the engine dies or fails a request, rank 0 restarts it, the job pushes the weights
+again, and the update goes on. Evaluations (pass@1, pass@k on held-out prompts) run
+before training, every ``--eval-interval`` updates and at the end (``after``).
+``training.trainer.run_stage`` runs the updates, logs, and checkpoints the policy, the
+optimizer and the resumable parts: the scheduler, the reward baseline and the KL
+controller (prompts and sampling seeds are functions of the update index), so a resumed
+run continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from megatron_logra.config import RunConfig
+from megatron_logra.rl.policy_loss import RolloutSample
+from megatron_logra.rl.policy_update import PolicyUpdate
+from megatron_logra.rl.rollout_source import RolloutSource
+from megatron_logra.runtime.faults import maybe_fail
+from megatron_logra.training.log_sinks import open_metrics_log
+from megatron_logra.training.prepare import prepare_training
+from megatron_logra.training.trainer import RunResult, run_stage
+
+AdjustSamples = Callable[[list[RolloutSample]], list[RolloutSample]]
+
+
+class RLStage:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.prep = prepare_training(cfg)
+        self.objs = self.prep.objs
+        self.source = RolloutSource(cfg, self.objs)
+        self.policy = PolicyUpdate(cfg, self.objs, self.prep.pad_id)
+        self.prep.resumable.register("rl_baseline", self.source.baseline)
+        if self.policy.kl_step is not None:
+            self.prep.resumable.register("kl_controller", self.policy.kl_step.controller)
+        self.rank = self.source.rank
+        self.version = self.prep.start_step
+        self.push_weights()  # the engine starts from the trainer's weights
+
+    @property
+    def engine(self):
+        """Rank 0's ``VllmServer`` (None elsewhere)."""
+        return self.source.engine
+
+    @property
+    def sync_stats(self):
+        """The weight pushes' running figures (``weight_sync.sync.SyncStats``)."""
+        return self.source.weights.stats
+
+    def push_weights(self, transport: str | None = None) -> None:
+        """Push the trainer's weights as version ``self.version``; ``transport`` forces one
+        (tests, benchmarks)."""
+        self.source.push(self.version, transport)
+
+    def rollout_batch(self, update: int) -> tuple[list[RolloutSample], dict]:
+        return self.source.rollout_batch(update, self.version)
+
+    def train(self, samples: list[RolloutSample], update: int) -> dict:
+        return self.policy.train(samples, update)
+
+    def evaluate(self) -> dict:
+        return self.source.evaluate(self.version)
+
+    def step(self, update: int, adjust_samples: AdjustSamples | None = None,
+             transport: str | None = None) -> dict:
+        """One update (0-based ``update``); ``adjust_samples`` may change the samples
+        between rollout and training (tests force advantages on an untrained model),
+        ``transport`` forces the push's."""
+        maybe_fail("rollout", update + 1)
+        samples, record = self.rollout_batch(update)
+        self.source.link.release()  # a colocated engine gives the devices to the trainer
+        if adjust_samples is not None:
+            samples = adjust_samples(samples)
+        record.update(self.train(samples, update))
+        self.version = update + 1
+        stats = self.sync_stats
+        before = (stats.bytes, stats.seconds)
+        maybe_fail("sync", update + 1)
+        self.push_weights(transport)
+        record.update(sync_bytes=stats.bytes - before[0], sync_time_s=stats.seconds - before[1],
+                      sync_transport=stats.last_transport,
+                      checksum_mismatches=stats.checksum_mismatches,
+                      engine_restarts=stats.restarts)
+        return record
+
+    def after(self, update: int, last: bool) -> dict:
+        """At the end: the engine's weights checked against the trainer's (where it can
+        tell) and an evaluation; every --eval-interval updates: an evaluation."""
+        record: dict = {}
+        if last:
+            mismatches = self.source.weights.engine_mismatches(self.engine)
+            if mismatches is not None:
+                record["engine_weight_mismatches"] = mismatches
+        interval = self.cfg.rl.eval_interval
+        if last or (interval and (update + 1) % interval == 0):
+            record.update(self.evaluate())
+        return record
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def run_rl(cfg: RunConfig) -> RunResult:
+    stage = RLStage(cfg)
+    try:
+        with open_metrics_log(cfg, stage.rank == 0, stage.prep.start_step) as log:
+            if stage.prep.start_step == 0:
+                record = {"step": 0, **stage.evaluate()}
+                log.write(record)
+                if stage.rank == 0:
+                    print(f"eval before training: {json.dumps(record)}", flush=True)
+            return run_stage(stage, stage.prep, cfg.training, cfg.checkpoint, log)
+    finally:
+        stage.close()

@@ -1,0 +1,81 @@
+"""The one training loop: iteration, records, skips, progress, checkpoints, resumable state.
+
+A stage (``training.sft.SFTStage``, ``rl.stage.RLStage``) supplies what one update does
+(``step``) and what may follow it (``after``: RL's evaluations); ``run_stage`` owns the
+rest, the same for every stage:
+
+    for each update from the resumed step:
+        record = stage.step(update)           # the update's own figures
+        + step_time_s, peak_mem_bytes, LoGRA's stats
+        skipped-update count (stops the run at --max-skipped-updates in a row)
+        + stage.after(update, last)           # e.g. an evaluation
+        metrics.jsonl (and TensorBoard/W&B), progress line every --log-interval
+        checkpoint every --save-interval and at the end, with every registered
+        resumable part (``checkpoint.state.ResumableState``)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from megatron_logra.checkpoint.meta import CheckpointMeta
+from megatron_logra.checkpoint.save import save_or_report
+from megatron_logra.config import CheckpointConfig, TrainingConfig
+from megatron_logra.runtime.collectives import barrier, rank_and_world
+from megatron_logra.runtime.device import peak_memory_bytes
+from megatron_logra.training.metrics import MetricsLog
+from megatron_logra.training.step import SkippedUpdates
+
+
+@dataclass
+class RunResult:
+    records: list[dict] = field(default_factory=list)
+    objects: object = None
+    """The run's ``TrainingObjects``."""
+    last_checkpoint: Path | None = None
+
+
+class Stage(Protocol):
+    def step(self, update: int) -> dict:
+        """Update ``update`` (0-based): its record, with ``update_successful``."""
+
+    def after(self, update: int, last: bool) -> dict:
+        """Figures taken after update ``update`` (outside its step time), e.g. an eval."""
+
+
+def save_due(ck: CheckpointConfig, done: int, last: bool) -> bool:
+    """Whether a checkpoint is written after ``done`` updates."""
+    return bool(ck.save) and (last or bool(ck.save_interval and done % ck.save_interval == 0))
+
+
+def run_stage(stage: Stage, prep, training: TrainingConfig, ck: CheckpointConfig,
+              log: MetricsLog) -> RunResult:
+    """Updates ``prep.start_step`` .. ``--train-iters`` of ``stage`` (collective); ``prep``:
+    ``training.prepare.Prepared``."""
+    objs, is_logger = prep.objs, rank_and_world()[0] == 0
+    skipped = SkippedUpdates(training.max_skipped_updates)
+    result = RunResult(objects=objs)
+    for update in range(prep.start_step, training.train_iters):
+        done, last = update + 1, update + 1 == training.train_iters
+        t0 = time.perf_counter()
+        record = {"step": done, **stage.step(update)}
+        record.update(step_time_s=time.perf_counter() - t0, peak_mem_bytes=peak_memory_bytes(),
+                      **objs.logra_stats())
+        skipped.record(record["update_successful"], done, announce=is_logger)
+        record.update(stage.after(update, last))
+        result.records.append(record)
+        log.write(record)
+        if done % training.log_interval == 0 or last:
+            log.progress(record, training.train_iters)
+        if save_due(ck, done, last):
+            meta = CheckpointMeta(step=done, **prep.checkpoint_meta)
+            saved = save_or_report(ck.save, ck.save_keep, objs, prep.resumable.state_dict(),
+                                   meta, last=last)
+            result.last_checkpoint = saved or result.last_checkpoint
+    if is_logger:
+        print(f"metrics: {log.path.resolve()}", flush=True)
+    barrier()
+    return result
