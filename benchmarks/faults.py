@@ -63,6 +63,14 @@ INJECTED = {
     "rank1-dies-mid-sync": ("sync@3:1", "trainer rank 1 dies as update 3's weight push "
                             "starts"),
 }
+# case -> (MEGATRON_LOGRA_FAULT, what it does): jobs with --async-rollouts, measured against
+# an uninterrupted asynchronous job
+INJECTED_ASYNC = {
+    "async-engine-dies-mid-rollout": ("engine-generate@2", "--async-rollouts: vLLM's server "
+                                      "dies generating update 2's rollouts beside update 1's "
+                                      "training"),
+}
+ASYNC = ("--async-rollouts",)
 # case -> (how the newest checkpoint of a finished reference job is damaged, description)
 DAMAGED = {
     "truncated-shard": ("truncate", "a shard of the newest checkpoint is truncated"),
@@ -101,6 +109,11 @@ def _updates_lost(log: str, finished_before: int) -> int:
 
 def _measure(name: str, job: Launch, run: Path, reference: Path,
              finished_before: int = 0) -> dict:
+    """The case's figures (see the module doc). An asynchronous job whose engine died
+    generates the lost batch again at the weights of the moment, one version newer than
+    the uninterrupted job's: its updates from that one on differ by design, so only the
+    updates before it are compared, and ``samples_lost`` (samples that never trained:
+    dropped, or updates that trained nothing) must be 0."""
     final = run / "ckpt" / "iter_0000004"
     out = {"case": name, "completed": job.returncode == 0 and final.is_dir(),
            "updates_lost": _updates_lost(job.log, finished_before),
@@ -112,12 +125,21 @@ def _measure(name: str, job: Launch, run: Path, reference: Path,
         out.update(mismatches=None, engine_restarts=None, error=job.log[-2000:])
         return out
     mine, theirs = records(run), records(reference)
+    regenerated = [r["step"] for r in mine if r.get("rollouts_regenerated")]
+    if name in INJECTED_ASYNC:
+        out["samples_lost"] = sum(r.get("stale_dropped_kl", 0) + r.get("stale_dropped_versions", 0)
+                                  for r in mine) + sum(not r.get("tokens") for r in mine
+                                                       if r["step"] > 0)
+        out["regenerated"] = len(regenerated)
+        mine = [r for r in mine if r["step"] < min(regenerated, default=99)]
+        theirs = [r for r in theirs if r["step"] < min(regenerated, default=99)]
     by_step = {r["step"]: r for r in theirs}
     differing = sum(compared(r) != compared(by_step.get(r["step"], {})) for r in mine)
     differing += len({r["step"] for r in theirs} ^ {r["step"] for r in mine})
     a, b = checkpoint_model(final), checkpoint_model(reference / "ckpt" / "iter_0000004")
     weights_differ = a.keys() != b.keys() or any(not torch.equal(a[k], b[k]) for k in a)
-    out["mismatches"] = differing + int(weights_differ) + mine[-1].get(
+    weights_differ = weights_differ and name not in INJECTED_ASYNC
+    out["mismatches"] = differing + int(weights_differ) + records(run)[-1].get(
         "engine_weight_mismatches", 0)
     out["engine_restarts"] = job.log.count("; restarting the engine")
     return out
@@ -139,7 +161,9 @@ def _table(report: dict) -> str:
             f"sketch-delta sync, bf16, predicted-KL control, 4 updates, a checkpoint every "
             f"{SAVE_INTERVAL}, `torchrun --max-restarts 1`. Mismatches: updates whose "
             f"metrics differ from an uninterrupted job's, the final weights, and the "
-            f"engine's tensors against the trainer's.\n\n{head}{rows}\n"
+            f"engine's tensors against the trainer's (an asynchronous job: the updates "
+            f"before its batch was generated again, at newer weights by design; its "
+            f"samples lost: {s['samples_lost']}).\n\n{head}{rows}\n"
             f"**{s['faults_injected']} faults, {s['runs_completed']} jobs completed, at most "
             f"{s['max_updates_lost']} updates lost (checkpoint interval {SAVE_INTERVAL}), "
             f"{s['mismatches']} mismatches, {s['orphans']} orphans, {s['leaked_shm']} leaked "
@@ -152,7 +176,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="results folder (default "
                         "benchmarks/results)")
     args = parser.parse_args()
-    cases = list(INJECTED) + list(DAMAGED)
+    cases = list(INJECTED) + list(INJECTED_ASYNC) + list(DAMAGED)
     if args.only:
         unknown = set(args.only.split(",")) - set(cases)
         if unknown:
@@ -166,12 +190,22 @@ def main() -> None:
     job = launch(tmp, "reference", _argv(reference))
     if job.returncode != 0:
         sys.exit(f"the reference job failed:\n{job.log[-3000:]}")
+    reference_async = tmp / "reference-async"
+    if any(c in INJECTED_ASYNC for c in cases):
+        print("[faults] asynchronous reference job", flush=True)
+        job = launch(tmp, "reference-async", _argv(reference_async, *ASYNC))
+        if job.returncode != 0:
+            sys.exit(f"the asynchronous reference job failed:\n{job.log[-3000:]}")
     for i, name in enumerate(cases, 1):
         run = tmp / name
         if name in INJECTED:
             fault, what = INJECTED[name]
             job = launch(tmp, name, _argv(run), fault=fault)
             got = _measure(name, job, run, reference)
+        elif name in INJECTED_ASYNC:
+            fault, what = INJECTED_ASYNC[name]
+            job = launch(tmp, name, _argv(run, *ASYNC), fault=fault)
+            got = _measure(name, job, run, reference_async)
         else:
             how, what = DAMAGED[name]
             shutil.copytree(reference, run)
@@ -189,11 +223,12 @@ def main() -> None:
                "checkpoints_refused": sum(c["checkpoints_refused"] for c in results),
                "mismatches": sum(c["mismatches"] or 0 for c in done),
                "orphans": sum(c["orphans"] for c in results),
+               "samples_lost": sum(c.get("samples_lost") or 0 for c in results),
                "leaked_shm": sum(c["leaked_shm"] for c in results)}
     summary["targets_met"] = (len(done) == len(results)
                               and summary["max_updates_lost"] <= SAVE_INTERVAL
                               and summary["mismatches"] == summary["orphans"]
-                              == summary["leaked_shm"] == 0)
+                              == summary["leaked_shm"] == summary["samples_lost"] == 0)
     report = {"command": "benchmarks/faults.py" + (f" --only {args.only}" if args.only else ""),
               "cases": results, "summary": summary,
               "torch": torch.__version__, "device": "cpu"}

@@ -105,7 +105,7 @@ def worker(args) -> None:
     sync.track_changes()  # sparse deltas: every full push records its base
     cfg = EngineConfig(folder, max_model_len=128, dtype="bfloat16", kv_cache_gib=0.25,
                        tensor_parallel_size=args.engine_tp, max_num_seqs=4)
-    link = EngineLink(sync, cfg if rt.rank == 0 else None)
+    link = EngineLink(sync, [cfg] if rt.rank == 0 else None)
     link.push(0, Transport.FULL)  # start-up: the server on dummy weights, then these
     rows = []
     try:

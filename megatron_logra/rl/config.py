@@ -117,6 +117,27 @@ class RLConfig:
     docs/usage.md shows: VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config
     '{"backend": "mlogra"}'); the trainer pushes its weights into it through vLLM's RL
     weight-transfer routes. Empty: trainer rank 0 starts one."""
+    rollout_replicas: int = field(default=1, metadata=_POSITIVE)
+    """Rollout engines (vLLM servers), each with the whole model: the prompts of every
+    rollout are split over them in a fixed order, and every push goes to every one."""
+    async_rollouts: bool = False
+    """The engines generate the next --max-staleness batches with the current weights while
+    the trainer trains on this one (one step off by default); the loss corrects for the
+    stale policy with the importance weights (--tis-cap) against the generating version's
+    logprobs."""
+    max_staleness: int = field(default=1, metadata=_POSITIVE)
+    """--async-rollouts: how many versions a sample's weights may be behind the trainer's
+    when it trains (and how many batches generation runs ahead); older ones never reach the
+    loss."""
+    max_staleness_kl: float | None = field(default=None, metadata=flag_spec(
+        minimum=0, zero_is_none=True))
+    """--async-rollouts: a bound on the KL the policy moved since a sample's weights: the sum
+    over the updates in between of each one's realized KL where it was measured
+    (--kl-control measure), else its predicted alpha^2 K. Samples beyond it are dropped
+    (or down-weighted: --stale-samples) and counted. 0: no bound."""
+    stale_samples: Literal["drop", "downweight"] = "drop"
+    """What happens to a sample beyond --max-staleness-kl: dropped (no gradient, no token
+    count), or down-weighted by bound / its KL."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     kl: KLControlConfig = field(default_factory=KLControlConfig)
 
@@ -140,6 +161,29 @@ class RLConfig:
         if not 0 < self.eval_top_p <= 1 or self.eval_temperature <= 0:
             raise ValueError("need 0 < --eval-top-p <= 1 and --eval-temperature > 0")
         self._check_objective()
+        self._check_rollout_schedule()
+
+    def _check_rollout_schedule(self) -> None:
+        """Replicas, asynchronous generation and the staleness bounds."""
+        if not self.async_rollouts and (self.max_staleness != 1 or self.max_staleness_kl):
+            raise ValueError("--max-staleness and --max-staleness-kl bound the samples of "
+                             "--async-rollouts; add it, or drop them")
+        if self.max_staleness_kl and self.kl.control == "none":
+            raise ValueError("--max-staleness-kl sums the KL of the updates since a sample's "
+                             "weights, which --kl-control none does not estimate: use "
+                             "--kl-control predicted (or measure), or bound by "
+                             "--max-staleness versions")
+        if self.async_rollouts and self.rollout_placement == "colocated":
+            raise ValueError("--async-rollouts generates while the trainer trains; "
+                             "--rollout-placement colocated takes turns on the same devices: "
+                             "use dedicated (or inherit) placement")
+        if self.rollout_replicas > 1 and self.rollout_engine_url:
+            raise ValueError("--rollout-engine-url names one server; --rollout-replicas > 1 "
+                             "starts its engines here: drop one of them")
+        if self.rollout_replicas > 1 and self.weight_sync.transport == "sparse-delta":
+            raise ValueError("--weight-sync sparse-delta diffs against what was last sent, one "
+                             "engine's view; with --rollout-replicas > 1 use sketch-delta "
+                             "(LoGRA), lora-adapter (LoRA) or full")
 
     def _check_server_engine(self) -> None:
         from urllib.parse import urlparse

@@ -38,6 +38,8 @@ class RolloutSample:
     advantage: float
     truncated: bool = False  # the response hit --max-new-tokens (no EOS)
     reward: float = 0.0  # the verifier's score the advantage came from
+    version: int = 0  # the weights version that generated it (its rollout_logprobs')
+    weight: float = 1.0  # its tokens' weight in the loss (0: dropped as too stale)
 
 
 def collate_rollouts(samples: list[RolloutSample], seq_length: int,
@@ -61,7 +63,7 @@ def collate_rollouts(samples: list[RolloutSample], seq_length: int,
         tokens[i, :n] = torch.tensor(ids[:-1])
         labels[i, :n] = torch.tensor(ids[1:])
         start = len(s.prompt_ids) - 1
-        loss_mask[i, start:n] = 1.0
+        loss_mask[i, start:n] = s.weight
         rollout_lp[i, start:n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
     causal = torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool), diagonal=1)
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,

@@ -31,7 +31,7 @@ from megatron_logra.rl.policy_loss import RolloutSample
 from megatron_logra.rl.verifiers import Verifier, VerifierConfig
 from megatron_logra.rollout.engine_link import EngineLink
 from megatron_logra.rollout.engine_memory import shared_gpu_utilization_measured
-from megatron_logra.rollout.placement import EnginePlacement, plan_placement
+from megatron_logra.rollout.placement import EnginePlacement, plan_placement, split_replicas
 from megatron_logra.rollout.types import EngineConfig
 from megatron_logra.runtime.collectives import from_rank0
 from megatron_logra.runtime.device import current_device, node_devices
@@ -45,7 +45,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class _Driver:
     """Rank 0's engine config, verifier and prompts (None elsewhere)."""
 
-    engine_cfg: EngineConfig
+    engine_cfgs: list[EngineConfig]  # one per --rollout-replicas
     verifier: Verifier
     train_prompts: list
     eval_prompts: list
@@ -56,6 +56,7 @@ class RolloutSource:
     def __init__(self, cfg: RunConfig, objs: TrainingObjects):
         self.cfg, self.rank = cfg, dist.get_rank()
         rl, opt = cfg.rl, cfg.optimizer
+        self.replica_placements: list[EnginePlacement] = []  # rank 0: each engine's
         self.placement = self._place_engine()
         self.weights = WeightSync(rl.weight_sync, objs.model, objs.arch,
                                   _DTYPES[rl.rollout_dtype], optimizer=objs.optimizer,
@@ -67,8 +68,9 @@ class RolloutSource:
         self.engine_gpu_utilization = shared_gpu_utilization_measured(rl, objs.arch,
                                                                       self.placement)
         self.driver = self._start_driver_everywhere()
-        self.link = EngineLink(self.weights, self.driver.engine_cfg if self.driver else None,
-                               sleep_mode=self.placement.sleep_mode)
+        self.link = EngineLink(self.weights, self.driver.engine_cfgs if self.driver else None,
+                               sleep_mode=self.placement.sleep_mode,
+                               replicas=rl.rollout_replicas)
 
     @property
     def engine(self):
@@ -91,13 +93,21 @@ class RolloutSource:
         is raised on every rank), and node 0's trainer ranks keep off a dedicated
         engine's CPU cores."""
         rl = self.cfg.rl
-        placement = from_rank0(lambda: plan_placement(
-            rl.rollout_placement, rl.rollout_devices,
-            engine_tp=rl.rollout_tensor_parallel_size,
-            cuda=current_device().type == "cuda", node_devices=node_devices(),
-            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-            visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
-            remote_engine=bool(rl.rollout_engine_url)))
+        cuda = current_device().type == "cuda"
+
+        def plan() -> EnginePlacement:
+            whole = plan_placement(
+                rl.rollout_placement, rl.rollout_devices,
+                engine_tp=rl.rollout_tensor_parallel_size, cuda=cuda,
+                node_devices=node_devices(),
+                local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                remote_engine=bool(rl.rollout_engine_url), replicas=rl.rollout_replicas)
+            self.replica_placements = split_replicas(
+                whole, rl.rollout_replicas, rl.rollout_tensor_parallel_size, cuda=cuda,
+                node_devices=node_devices())
+            return whole
+        placement = from_rank0(plan)
         if placement.trainer_cores and os.environ.get("GROUP_RANK", "0") == "0":
             os.sched_setaffinity(0, placement.trainer_cores)
         if self.rank == 0 and (placement.note or placement.devices):
@@ -130,19 +140,20 @@ class RolloutSource:
         if len(prompts) <= rl.eval_prompts:
             raise ValueError(f"only {len(prompts)} prompts fit --seq-length - --max-new-tokens; "
                              f"raise --dataset-size or --seq-length (need > --eval-prompts)")
-        engine_cfg = EngineConfig(
-            str(self._engine_init_dir()), max_model_len=cfg.training.seq_length,
+        init_dir = str(self._engine_init_dir())
+        engine_cfgs = [EngineConfig(
+            init_dir, max_model_len=cfg.training.seq_length,
             dtype=rl.rollout_dtype, kv_cache_gib=rl.rollout_kv_cache_gib,
             tensor_parallel_size=rl.rollout_tensor_parallel_size, seed=rl.rollout_seed,
-            lora_rank=self.weights.engine_lora_rank, env=tuple(self.placement.env.items()),
-            cpu_cores=self.placement.engine_cores,
-            sleep_mode=self.placement.sleep_mode,
+            lora_rank=self.weights.engine_lora_rank, env=tuple(placed.env.items()),
+            cpu_cores=placed.engine_cores, sleep_mode=placed.sleep_mode,
             gpu_memory_utilization=self.engine_gpu_utilization,
-            url=rl.rollout_engine_url)
+            url=rl.rollout_engine_url, replica=replica)
+            for replica, placed in enumerate(self.replica_placements)]
         print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",
               flush=True)
         verifier = Verifier(VerifierConfig(reward=rl.reward, timeout_s=rl.verifier_timeout))
-        return _Driver(engine_cfg, verifier, prompts[rl.eval_prompts:], prompts[:rl.eval_prompts],
+        return _Driver(engine_cfgs, verifier, prompts[rl.eval_prompts:], prompts[:rl.eval_prompts],
                        tokenizer)
 
     @property
@@ -163,15 +174,29 @@ class RolloutSource:
     # --- samples -------------------------------------------------------------------------
     def rollout_batch(self, update: int, version: int) -> tuple[list[RolloutSample], dict]:
         """Update ``update``'s samples (every rank) generated at weights ``version``, and
-        the rollout's figures."""
-        groups, stats = self._generate_groups(update, version)
-        samples, stats = from_rank0(lambda: self._samples(groups, stats))
+        the rollout's figures (collective: a failed engine is restarted and resynced)."""
+        groups, stats = self._generate_groups(
+            update, lambda requests, phase: self.link.generate(requests, version, phase),
+            from_rank0)
+        samples, stats = from_rank0(lambda: self._samples(groups, stats, version,
+                                                          self.baseline))
         self.baseline.value = stats["baseline"]  # every rank checkpoints the same state
         return samples, stats
 
-    def _samples(self, groups: list, stats: dict) -> tuple[list[RolloutSample], dict]:
-        """Rank 0: the update's samples with their advantages, and ``stats`` with the
-        rewards' and responses' figures."""
+    def produce_here(self, update: int, version: int,
+                     baseline: adv.RunningBaseline) -> tuple[list[RolloutSample], dict]:
+        """Rank 0 alone (no collective: ``rl.rollout_ahead`` runs it beside training):
+        update ``update``'s samples from the engine serving ``version``, their advantages
+        against ``baseline`` (which it advances); an engine failure raises EngineError."""
+        groups, stats = self._generate_groups(
+            update, lambda requests, phase: self.link.generate_here(requests, version, phase),
+            lambda decide: decide())
+        return self._samples(groups, stats, version, baseline)
+
+    def _samples(self, groups: list, stats: dict, version: int,
+                 baseline: adv.RunningBaseline) -> tuple[list[RolloutSample], dict]:
+        """Rank 0: the update's samples (generated at ``version``) with their advantages,
+        and ``stats`` with the rewards' and responses' figures."""
         rl = self.cfg.rl
         prompts = [p for p, _, _ in groups]
         completions = [c for _, group, _ in groups for c in group]
@@ -180,23 +205,26 @@ class RolloutSource:
             a = adv.grpo_advantages(r, scale_by_std=rl.grpo_std_norm)
         else:
             failure = rl.failure_reward if rl.reward == "binary" else None
-            a = self.baseline.advantages(adv.reinforce_outcomes(r, failure))
+            a = baseline.advantages(adv.reinforce_outcomes(r, failure))
         samples = [RolloutSample(p.ids, c.token_ids, c.logprobs, float(a.flatten()[k]),
-                                 truncated=c.truncated, reward=float(r.flatten()[k]))
+                                 truncated=c.truncated, reward=float(r.flatten()[k]),
+                                 version=version)
                    for k, (p, c) in enumerate(zip(
                        [p for p in prompts for _ in range(rl.responses_per_prompt)],
                        completions))]
         length, truncated = rollouts.length_stats(completions)
         stats.update(reward_mean=float(r.mean()), response_len=length,
-                     truncated_frac=truncated, baseline=self.baseline.value)
+                     truncated_frac=truncated, baseline=baseline.value)
         return samples, stats
 
-    def _generate_groups(self, update: int, version: int) -> tuple[list | None, dict]:
+    def _generate_groups(self, update: int, generate, decide) -> tuple[list | None, dict]:
         """Rank 0: the update's P groups [(prompt, G completions, G rewards)]; None elsewhere.
         With --dynamic-sampling, groups whose rewards are all equal are set aside and more
-        prompts generated (collective: every rank takes part in each round) until P groups
-        have signal or --dynamic-sampling-max-rounds rounds are done; a batch still short
-        is filled with set-aside groups."""
+        prompts generated until P groups have signal or --dynamic-sampling-max-rounds
+        rounds are done; a batch still short is filled with set-aside groups.
+        ``generate(requests, phase)``: the completions (rank 0); ``decide(fn)``: rank 0's
+        ``fn()`` where every rank learns it (``from_rank0``: every rank takes part in each
+        round), or where rank 0 alone does."""
         rl = self.cfg.rl
         kept, dropped, rounds, seconds = [], [], 0, 0.0
         while True:
@@ -205,11 +233,11 @@ class RolloutSource:
                 prompts, requests = rollouts.step_requests(
                     self.driver.train_prompts, rl, update, self.data_seed, rounds)
             t0 = time.perf_counter()
-            completions = self.link.generate(requests, version, f"rollouts {update + 1}" + (
+            completions = generate(requests, f"rollouts {update + 1}" + (
                 f" round {rounds + 1}" if rounds else ""))
             seconds += time.perf_counter() - t0
-            more = from_rank0(lambda: self._sort_groups(prompts, completions, kept, dropped,
-                                                        rounds))
+            more = decide(lambda: self._sort_groups(prompts, completions, kept, dropped,
+                                                    rounds))
             rounds += 1
             if not more:
                 break

@@ -27,7 +27,9 @@ from collections.abc import Callable
 from megatron_logra.config import RunConfig
 from megatron_logra.rl.policy_loss import RolloutSample
 from megatron_logra.rl.policy_update import PolicyUpdate
+from megatron_logra.rl.rollout_ahead import RolloutAhead
 from megatron_logra.rl.rollout_source import RolloutSource
+from megatron_logra.rl.staleness import StalenessBound, UpdateKL, apply_bound
 from megatron_logra.runtime.faults import maybe_fail
 from megatron_logra.training.log_sinks import open_metrics_log
 from megatron_logra.training.prepare import prepare_training
@@ -48,7 +50,12 @@ class RLStage:
             self.prep.resumable.register("kl_controller", self.policy.kl_step.controller)
         self.rank = self.source.rank
         self.version = self.prep.start_step
-        self.push_weights()  # the engine starts from the trainer's weights
+        rl = cfg.rl
+        self.ahead = RolloutAhead(self.source, cfg.training.train_iters) \
+            if rl.async_rollouts else None
+        self.bound = StalenessBound(rl.max_staleness, rl.max_staleness_kl, rl.stale_samples)
+        self.update_kl = UpdateKL()
+        self.push_weights()  # the engines start from the trainer's weights
 
     @property
     def engine(self):
@@ -80,12 +87,22 @@ class RLStage:
         between rollout and training (tests force advantages on an untrained model),
         ``transport`` forces the push's."""
         maybe_fail("rollout", update + 1)
-        samples, record = self.rollout_batch(update)
-        self.source.link.release()  # a colocated engine gives the devices to the trainer
+        if self.ahead is None:
+            samples, record = self.rollout_batch(update)
+            self.source.link.release()  # colocated engines give the devices to the trainer
+        else:
+            samples, record = self._take_ahead(update)
         if adjust_samples is not None:
             samples = adjust_samples(samples)
-        record.update(self.train(samples, update))
-        self.version = update + 1
+        if any(s.weight > 0 for s in samples):
+            record.update(self.train(samples, update))
+            self.update_kl.record(self.version, record)
+            self.version += 1
+        else:  # every sample too stale: nothing trains, the engines keep their weights
+            record.update(update_successful=True, stale_skipped_update=True)
+            return record
+        if self.ahead is not None:
+            record["rollout_wait_s"] += self.ahead.wait_idle()
         stats = self.sync_stats
         before = (stats.bytes, stats.seconds)
         maybe_fail("sync", update + 1)
@@ -95,6 +112,17 @@ class RLStage:
                       checksum_mismatches=stats.checksum_mismatches,
                       engine_restarts=stats.restarts)
         return record
+
+    def _take_ahead(self, update: int) -> tuple[list[RolloutSample], dict]:
+        """--async-rollouts: this update's batch (generated beside the last update's
+        training), the next --max-staleness batches started at the current weights, and
+        the staleness bounds applied (``rl.staleness``)."""
+        samples, record = self.ahead.take(update, self.version)
+        for ahead in range(1, self.bound.max_versions + 1):
+            self.ahead.start(update + ahead, self.version)
+        samples, stale = apply_bound(samples, self.version, self.update_kl, self.bound)
+        record.update(stale)
+        return samples, record
 
     def after(self, update: int, last: bool) -> dict:
         """At the end: the engine's weights checked against the trainer's (where it can
@@ -110,6 +138,8 @@ class RLStage:
         return record
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
         self.source.close()
 
 

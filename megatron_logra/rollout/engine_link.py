@@ -1,34 +1,38 @@
-"""``EngineLink``: the RL loop's one handle on the rollout engine (collective calls).
+"""``EngineLink``: the RL stage's one handle on the rollout engines (collective calls).
 
-It owns the engine (trainer rank 0 only: ``rollout.vllm_server.VllmServer``, vLLM's own
-server, started here or at ``--rollout-engine-url``) and the trainer's side of weight
-sync (``sync.WeightSync``), and keeps them serving the trainer's weights:
+It owns the engines (trainer rank 0 only: ``rollout.vllm_server.VllmServer``, vLLM's own
+server, started here or at ``--rollout-engine-url``; ``--rollout-replicas`` of them) and
+the trainer's side of weight sync (``sync.WeightSync``), and keeps every engine serving
+the trainer's weights:
 
-- ``push(version)``: the trainer's weights become ``version`` in the engine. The very
-  first push starts (or connects to) the server, which runs on dummy weights until this
-  push brings the trainer's. A failed push restarts the engine and pushes again (three
-  tries).
-- ``generate(requests, version)``: completions from the engine serving ``version``
-  (rank 0; None elsewhere); a failure restarts the engine, pushes the weights again
-  and retries (three tries).
-If the engine dies or fails a request, rank 0 restarts it (a server the user runs: waits
-for it and reconnects) and every rank takes part in the full push that follows.
+- ``push(version)``: the trainer's weights become ``version`` in every engine, one after
+  the other (each has its own weight group). The very first push starts (or connects to)
+  the servers, which run on dummy weights until it brings the trainer's. A failed push
+  restarts that engine alone and pushes to it again (three tries); the others go on.
+- ``generate(requests, version)``: completions from the engines serving ``version``
+  (rank 0; None elsewhere): the requests in ``replicas`` contiguous parts, one per
+  engine, generated at the same time and returned in order; a failure restarts the
+  engines that failed, pushes the weights to them again and retries (three tries).
+- ``generate_here``: the same on rank 0 alone, no restart (an error is raised): what
+  generation beside training (``--async-rollouts``) uses; the stage recovers later.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch.distributed as dist
 
 from megatron_logra.rollout.types import Completion, EngineConfig, EngineError, SampleRequest
-from megatron_logra.weight_sync.sync import SyncStats, WeightSync
 from megatron_logra.rollout.vllm_server import VllmServer
 from megatron_logra.runtime.collectives import from_rank0, rank0_value
 from megatron_logra.runtime.device import current_device, release_cached_memory
 from megatron_logra.runtime.progress import Progress
+from megatron_logra.weight_sync.sync import SyncStats, WeightSync
 
 TRIES = 3
 
@@ -39,29 +43,56 @@ def speed_note(vllm_postfix: str) -> str:
     return f"{float(match.group(1)):.0f} tokens/s out" if match else vllm_postfix
 
 
+def split_evenly(items: list, parts: int) -> list[list]:
+    """``items`` in ``parts`` contiguous runs, the first ones one longer where they do not
+    divide (a fixed split: the same requests always go to the same engine)."""
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for k in range(parts):
+        end = start + size + (k < extra)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
 class EngineLink:
-    def __init__(self, sync: WeightSync, engine_cfg: EngineConfig | None,
-                 sleep_mode: bool = False):
-        """``engine_cfg``: rank 0's engine settings (None on every other rank): a server at
-        its ``url``, or one started here from its ``model_dir`` (config and tokenizer; the
-        first push brings the weights). ``sleep_mode`` (every rank): the engine is
-        colocated and takes turns (``release``; pushes and generation wake it)."""
-        self.sync, self.engine_cfg, self.sleep_mode = sync, engine_cfg, sleep_mode
+    def __init__(self, sync: WeightSync, engine_cfgs: list[EngineConfig] | None,
+                 sleep_mode: bool = False, replicas: int = 1):
+        """``engine_cfgs``: rank 0's settings of each engine (None on every other rank): a
+        server at its ``url``, or one started here from its ``model_dir`` (config and
+        tokenizer; the first push brings the weights). ``replicas`` (every rank): how many.
+        ``sleep_mode`` (every rank): the engines are colocated and take turns
+        (``release``; pushes and generation wake them)."""
+        self.sync, self.engine_cfgs, self.sleep_mode = sync, engine_cfgs, sleep_mode
+        self.replicas = replicas
         self.rank = dist.get_rank()
-        self.engine: VllmServer | None = None  # rank 0, from the first push on
-        self.asleep: set[str] = set()  # rank 0, colocated: what the engine has released
+        self.engines: list[VllmServer | None] = [None] * replicas  # rank 0, from the 1st push
+        self.asleep: list[set[str]] = [set() for _ in range(replicas)]  # rank 0, colocated
+        self.pool = ThreadPoolExecutor(replicas) if replicas > 1 and self.rank == 0 else None
+
+    @property
+    def engine(self) -> VllmServer | None:
+        """Rank 0's first engine (None elsewhere, and before the first push)."""
+        return self.engines[0]
 
     @property
     def stats(self) -> SyncStats:
         return self.sync.stats
 
+    # --- pushes --------------------------------------------------------------------------
     def push(self, version: int, transport: str | None = None) -> None:
-        """Push the trainer's weights as ``version``; restart the engine and retry on
-        failure. ``transport`` forces one (tests, benchmarks)."""
-        self._wake(["weights"])
+        """Push the trainer's weights as ``version`` into every engine; restart an engine
+        and push to it again on failure. ``transport`` forces one (tests, benchmarks)."""
+        for replica in range(self.replicas):
+            self.push_to(replica, version, transport)
+
+    def push_to(self, replica: int, version: int, transport: str | None = None) -> None:
+        """Push to engine ``replica`` alone (collective)."""
+        self._wake(replica, ["weights"])
+        self.sync.use(replica)
         for _ in range(TRIES):
             t0 = time.perf_counter()
-            failed, sent = self._push_once(version, transport)
+            failed, sent = self._push_once(replica, version, transport)
             failed = rank0_value(failed)  # rank 0's outcome decides for every rank
             self.stats.seconds += time.perf_counter() - t0
             if not failed:
@@ -69,117 +100,167 @@ class EngineLink:
                 self.stats.pushes += 1
                 return
             if self.rank == 0:
-                print(f"weight push failed ({failed}); restarting the engine", flush=True)
-                self._restart()
+                print(f"weight push to engine {replica} failed ({failed}); restarting it",
+                      flush=True)
+                self._restart(replica)
         raise RuntimeError(f"weight push failed {TRIES} times: see the engine errors above")
 
-    def _push_once(self, version: int, transport: str | None) -> tuple[str, int]:
+    def _push_once(self, replica: int, version: int, transport: str | None) -> tuple[str, int]:
         """(failure message or "", bytes sent)."""
-        failed = self._start()
+        failed = from_rank0(lambda: self._start_here(replica))
         if failed:
             return failed, 0
-        result = self.sync.push(self.engine, version, transport)
+        result = self.sync.push(self.engines[replica], version, transport)
         return result.failed, result.sent
 
-    def _start(self) -> str:
-        """Rank 0 connects to the engine, starting it if it is ours and not running
-        (collective: the failure, or "", on every rank)."""
-        return from_rank0(self._start_here)
-
-    def _start_here(self) -> str:
-        """Rank 0: ``_start``'s connection or start-up."""
-        if self.engine is not None:
+    def _start_here(self, replica: int) -> str:
+        """Rank 0 connects to engine ``replica``, starting it if it is ours and not running;
+        the failure, or ""."""
+        if self.engines[replica] is not None:
             return ""
-        cfg = self.engine_cfg
+        cfg = self.engine_cfgs[replica]
         try:
             if cfg.url:  # a server the user runs: connect, the first push is full
-                self.engine = VllmServer(cfg.url, cfg.request_timeout_s,
-                                         cfg.startup_timeout_s,
-                                         adapter_root=self._adapter_root())
-                print(f"rollout engine: the vLLM server at {cfg.url} (TP"
-                      f"{self.engine.world_size}, serving {self.engine.model}); its "
-                      f"weights are replaced by the first push", flush=True)
-            else:  # vLLM's server, started here
-                self.engine = VllmServer.local(
-                    cfg, Path(cfg.model_dir).parent / "engine.log",
-                    cuda=current_device().type == "cuda",
-                    adapter_root=self._adapter_root())
-                print(f"rollout engine: vLLM's server up in {self.engine.startup_s:.1f}s "
-                      f"at {self.engine.url} (vLLM {cfg.dtype}, TP"
-                      f"{cfg.tensor_parallel_size}, dummy weights until the first push)",
+                engine = VllmServer(cfg.url, cfg.request_timeout_s, cfg.startup_timeout_s,
+                                    adapter_root=self._adapter_root(cfg))
+                print(f"rollout engine: the vLLM server at {cfg.url} (TP{engine.world_size}, "
+                      f"serving {engine.model}); its weights are replaced by the first push",
                       flush=True)
+            else:  # vLLM's server, started here
+                log = f"engine-{replica}.log" if replica else "engine.log"
+                engine = VllmServer.local(cfg, Path(cfg.model_dir).parent / log,
+                                          cuda=current_device().type == "cuda",
+                                          adapter_root=self._adapter_root(cfg))
+                which = f" {replica}" if self.replicas > 1 else ""
+                print(f"rollout engine{which}: vLLM's server up in {engine.startup_s:.1f}s at "
+                      f"{engine.url} (vLLM {cfg.dtype}, TP{cfg.tensor_parallel_size}, dummy "
+                      f"weights until the first push)", flush=True)
         except EngineError as exc:
             return f"engine start-up: {exc}"
+        self.engines[replica] = engine
         return ""
 
-    def _adapter_root(self) -> str:
-        return str(Path(self.engine_cfg.model_dir).parent / "adapters")
+    @staticmethod
+    def _adapter_root(cfg: EngineConfig) -> str:
+        name = f"adapters-{cfg.replica}" if cfg.replica else "adapters"
+        return str(Path(cfg.model_dir).parent / name)
 
-    # --- colocated (an engine started with sleep_mode) -------------------------------------
+    # --- colocated (engines started with sleep_mode) ---------------------------------------
     def release(self) -> None:
-        """The trainer's turn: a colocated engine releases its weights and KV cache (rank 0;
-        nothing for other placements). A failure restarts it (the next push resyncs)."""
-        if self.rank != 0 or self.engine is None or not self.sleep_mode:
+        """The trainer's turn: colocated engines release their weights and KV cache (rank 0;
+        nothing for other placements). A failure restarts the engine (the next push
+        resyncs it)."""
+        if self.rank != 0 or not self.sleep_mode:
             return
-        try:
-            self.engine.sleep()
-            self.asleep = {"weights", "kv_cache"}
-        except EngineError as exc:
-            print(f"engine sleep failed ({exc}); restarting the engine", flush=True)
-            self._restart()
+        for replica, engine in enumerate(self.engines):
+            if engine is None:
+                continue
+            try:
+                engine.sleep()
+                self.asleep[replica] = {"weights", "kv_cache"}
+            except EngineError as exc:
+                print(f"engine {replica} sleep failed ({exc}); restarting it", flush=True)
+                self._restart(replica)
 
-    def _wake(self, tags: list[str]) -> None:
-        """Every rank frees its cached device memory, then rank 0's engine takes back
-        ``tags`` (released by ``release``); a failure restarts it (awake)."""
+    def _wake(self, replica: int, tags: list[str]) -> None:
+        """Every rank frees its cached device memory, then rank 0's engine ``replica`` takes
+        back ``tags`` (released by ``release``); a failure restarts it (awake)."""
         if not self.sleep_mode:
             return
         release_cached_memory()
-        wanted = [t for t in tags if t in self.asleep]
+        wanted = [t for t in tags if t in self.asleep[replica]]
         if self.rank != 0 or not wanted:
             return
         try:
-            self.engine.wake(wanted)
-            self.asleep -= set(wanted)
+            self.engines[replica].wake(wanted)
+            self.asleep[replica] -= set(wanted)
         except EngineError as exc:
-            print(f"engine wake-up failed ({exc}); restarting the engine", flush=True)
-            self._restart()
+            print(f"engine {replica} wake-up failed ({exc}); restarting it", flush=True)
+            self._restart(replica)
 
-    def _restart(self) -> None:
-        self.asleep = set()  # a fresh engine starts awake
-        if self.engine is None:  # it never started: the next push starts it
+    def _restart(self, replica: int) -> None:
+        self.asleep[replica] = set()  # a fresh engine starts awake
+        engine = self.engines[replica]
+        if engine is None:  # it never started: the next push starts it
             return
         self.stats.restarts += 1
         try:
-            self.engine.restart()
+            engine.restart()
         except EngineError as exc:  # the next push starts a fresh one from current weights
-            print(f"engine restart failed ({exc}); starting anew at the next push", flush=True)
-            self.engine = None
+            print(f"engine {replica} restart failed ({exc}); starting anew at the next push",
+                  flush=True)
+            self.engines[replica] = None
 
+    # --- generation ------------------------------------------------------------------------
     def generate(self, requests: list[SampleRequest] | None, version: int,
                  phase: str = "rollouts") -> list[Completion] | None:
-        """Completions of ``requests`` (rank 0), restarting and resyncing the engine if needed;
+        """Completions of ``requests`` (rank 0), restarting and resyncing failed engines;
         a progress line ``[phase]`` shows samples done and vLLM's tokens/s."""
-        self._wake(["weights", "kv_cache"])
+        for replica in range(self.replicas):
+            self._wake(replica, ["weights", "kv_cache"])
         for _ in range(TRIES):
-            done, status = None, ""
+            done, failed = None, []
             if self.rank == 0:
                 try:
-                    if self.engine is None:
-                        raise EngineError("the engine is not running")
-                    with Progress(phase, len(requests), "samples") as progress:
-                        done = self.engine.generate(
-                            requests, version,
-                            lambda n, _, note: progress.update(n, speed_note(note)), phase)
-                except EngineError as exc:
-                    status = str(exc)
-                    print(f"rollout failed ({status}); restarting the engine", flush=True)
-                    self._restart()
-            if not rank0_value(status):  # the others follow rank 0's engine
+                    done = self.generate_here(requests, version, phase)
+                except _ReplicaErrors as exc:
+                    failed = exc.replicas
+                    print(f"rollout failed ({exc}); restarting engine(s) {failed}", flush=True)
+                    for replica in failed:
+                        self._restart(replica)
+            failed = rank0_value(failed)  # the others follow rank 0's engines
+            if not failed:
                 return done
-            self.push(version)
+            for replica in failed:
+                self.push_to(replica, version)
         raise RuntimeError(f"rollouts failed {TRIES} times: see the engine errors above")
 
+    def generate_here(self, requests: list[SampleRequest], version: int,
+                      phase: str = "rollouts") -> list[Completion]:
+        """Rank 0: the completions of ``requests`` from every engine serving ``version``, in
+        order; raises EngineError (naming the engines that failed) without restarting."""
+        parts = split_evenly(requests, self.replicas)
+        with Progress(phase, len(requests), "samples") as progress:
+            counts, lock = [0] * self.replicas, threading.Lock()
+
+            def one(replica: int) -> list[Completion]:
+                engine = self.engines[replica]
+                if engine is None:
+                    raise EngineError(f"engine {replica} is not running")
+
+                def on_progress(n, _, note):
+                    with lock:
+                        counts[replica] = n
+                        progress.update(sum(counts), speed_note(note))
+                return engine.generate(parts[replica], version, on_progress, phase)
+            if self.pool is None:
+                outcomes = [_outcome(one, 0)]
+            else:
+                outcomes = list(self.pool.map(lambda r: _outcome(one, r), range(self.replicas)))
+        errors = {r: err for r, (_, err) in enumerate(outcomes) if err is not None}
+        if errors:
+            raise _ReplicaErrors(errors)
+        return [c for done, _ in outcomes for c in done]
+
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
+        for engine in self.engines:
+            if engine is not None:
+                engine.close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
         self.sync.close()
+
+
+def _outcome(fn, replica: int) -> tuple[list | None, EngineError | None]:
+    try:
+        return fn(replica), None
+    except EngineError as exc:
+        return None, exc
+
+
+class _ReplicaErrors(EngineError):
+    """Engines that failed a generation: ``replicas`` (their indices) and why."""
+
+    def __init__(self, errors: dict[int, EngineError]):
+        self.replicas = sorted(errors)
+        super().__init__("; ".join(f"engine {r}: {e}" for r, e in sorted(errors.items())))

@@ -25,7 +25,7 @@ then gloo, through host memory (``shares_trainer_gpus``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 PLACEMENTS = ("inherit", "dedicated", "colocated")
 
@@ -82,15 +82,17 @@ def check_placement_flags(mode: str, devices_spec: str) -> tuple[int, ...]:
 def plan_placement(mode: str, devices_spec: str, *, engine_tp: int, cuda: bool,
                    node_devices: list[int], local_world_size: int,
                    visible: str | None = None,
-                   remote_engine: bool = False) -> EnginePlacement:
+                   remote_engine: bool = False, replicas: int = 1) -> EnginePlacement:
     """The engine's placement on node 0, or ValueError naming the flags and the fix.
 
     ``node_devices``: CUDA: range(visible GPU count); CPU: the cores node 0's processes
     may run on (``os.sched_getaffinity``). ``local_world_size``: trainer ranks on node 0.
     ``visible``: node 0's ``CUDA_VISIBLE_DEVICES`` (the engine's ids are translated
     through it). ``remote_engine``: the engine is a vLLM server the user runs
-    (--rollout-engine-url)."""
+    (--rollout-engine-url). ``replicas``: the engines placed together (each one's share:
+    ``split_replicas``)."""
     devices = check_placement_flags(mode, devices_spec)
+    engine_ranks = engine_tp * replicas
     if mode == "colocated" and not cuda:
         return EnginePlacement(mode, note="--rollout-placement colocated: vLLM has no sleep "
                                "mode on CPU; the engine and the trainer share the cores as "
@@ -104,15 +106,15 @@ def plan_placement(mode: str, devices_spec: str, *, engine_tp: int, cuda: bool,
                          f"({'visible GPUs' if cuda else 'usable cores'}: "
                          f"{_ranges(node_devices)})")
     if cuda:
-        return _dedicated_gpus(devices, engine_tp, local_world_size, visible)
+        return _dedicated_gpus(devices, engine_ranks, local_world_size, visible)
     rest = tuple(c for c in node_devices if c not in devices)
     if not rest:
         raise ValueError(f"--rollout-devices {devices_spec} leaves no core to the trainer "
                          f"(usable cores: {_ranges(node_devices)})")
-    if len(devices) < engine_tp:
+    if len(devices) < engine_ranks:
         raise ValueError(f"--rollout-devices {devices_spec}: {len(devices)} cores for "
-                         f"--rollout-tensor-parallel-size {engine_tp}; give at least one "
-                         f"core per engine rank")
+                         f"{_engine_ranks(engine_tp, replicas)}; give at least one core per "
+                         f"engine rank")
     per = len(devices) // engine_tp  # each engine TP rank binds its own run of cores
     bind = "|".join(",".join(map(str, devices[r * per:(r + 1) * per]))
                     for r in range(engine_tp))
@@ -120,12 +122,17 @@ def plan_placement(mode: str, devices_spec: str, *, engine_tp: int, cuda: bool,
                            trainer_cores=rest)
 
 
-def _dedicated_gpus(devices: tuple[int, ...], engine_tp: int, local_world_size: int,
+def _engine_ranks(engine_tp: int, replicas: int) -> str:
+    tp = f"--rollout-tensor-parallel-size {engine_tp}"
+    return f"--rollout-replicas {replicas} x {tp}" if replicas > 1 else tp
+
+
+def _dedicated_gpus(devices: tuple[int, ...], engine_ranks: int, local_world_size: int,
                     visible: str | None) -> EnginePlacement:
-    if len(devices) != engine_tp:
+    if len(devices) != engine_ranks:
         raise ValueError(f"--rollout-devices {','.join(map(str, devices))}: {len(devices)} "
-                         f"GPUs for --rollout-tensor-parallel-size {engine_tp}; give one per "
-                         f"engine rank")
+                         f"GPUs for {engine_ranks} engine ranks (--rollout-replicas x "
+                         f"--rollout-tensor-parallel-size); give one per engine rank")
     trainer = set(range(local_world_size))
     shared = sorted(trainer.intersection(devices))
     if shared:
@@ -147,3 +154,56 @@ def _ranges(ids: list[int]) -> str:
         else:
             out.append([i, i])
     return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in out)
+
+
+def split_replicas(placement: EnginePlacement, replicas: int, engine_tp: int, *,
+                   cuda: bool, node_devices: list[int]) -> list[EnginePlacement]:
+    """``placement`` for each of ``replicas`` engines (``--rollout-replicas``), or ValueError
+    naming the flags and the fix.
+
+    - dedicated: ``--rollout-devices`` split in ``replicas`` equal runs, one per engine (on
+      CUDA one GPU per engine TP rank, on CPU at least one core per engine TP rank);
+    - colocated on CUDA: engine r on the r-th run of ``engine_tp`` of node 0's GPUs (the
+      trainer's, in turns as one engine does);
+    - inherit (or colocated on CPU): every engine on trainer rank 0's devices (CPU cores
+      shared; on CUDA refused: the engines would all sit on the first GPUs)."""
+    if replicas == 1:
+        return [placement]
+    if placement.mode == "dedicated":
+        devices = placement.devices
+        if len(devices) % replicas or len(devices) // replicas < engine_tp:
+            unit = "GPUs" if cuda else "cores"
+            raise ValueError(f"--rollout-devices: {len(devices)} {unit} for --rollout-replicas "
+                             f"{replicas} x --rollout-tensor-parallel-size {engine_tp}; give "
+                             f"each engine its own equal share, at least one per engine rank")
+        per = len(devices) // replicas
+        return [_dedicated_share(placement, devices[r * per:(r + 1) * per], engine_tp, cuda)
+                for r in range(replicas)]
+    if not cuda:
+        return [placement] * replicas
+    if placement.mode == "colocated":
+        if replicas * engine_tp > len(node_devices):
+            raise ValueError(f"--rollout-replicas {replicas} x --rollout-tensor-parallel-size "
+                             f"{engine_tp} colocated engines need {replicas * engine_tp} GPUs; "
+                             f"node 0 has {len(node_devices)}")
+        return [replace(placement, devices=tuple(node_devices[r * engine_tp:(r + 1) * engine_tp]),
+                        env={**placement.env, "CUDA_VISIBLE_DEVICES": ",".join(
+                            map(str, node_devices[r * engine_tp:(r + 1) * engine_tp]))})
+                for r in range(replicas)]
+    raise ValueError(f"--rollout-replicas {replicas} on GPUs: give each engine GPUs of its own "
+                     f"with --rollout-placement dedicated --rollout-devices (N x TP GPUs), or "
+                     f"share the trainer's with --rollout-placement colocated")
+
+
+def _dedicated_share(placement: EnginePlacement, share: tuple[int, ...], engine_tp: int,
+                     cuda: bool) -> EnginePlacement:
+    """One replica's part of a dedicated placement: its own devices (the trainer's cores are
+    the whole placement's)."""
+    if cuda:
+        physical = placement.env.get("CUDA_VISIBLE_DEVICES", "").split(",")
+        position = {d: i for i, d in enumerate(placement.devices)}
+        ids = [physical[position[d]] for d in share]
+        return replace(placement, devices=share, env={"CUDA_VISIBLE_DEVICES": ",".join(ids)})
+    per = len(share) // engine_tp
+    bind = "|".join(",".join(map(str, share[r * per:(r + 1) * per])) for r in range(engine_tp))
+    return replace(placement, devices=share, env={"VLLM_CPU_OMP_THREADS_BIND": bind})

@@ -34,6 +34,7 @@ from megatron_logra.rollout.lora_adapter import RUNTIME_LORA_ENV, lora_server_ar
 from megatron_logra.rollout.types import EngineConfig
 from megatron_logra.rollout.vllm_server import BACKEND
 from megatron_logra.runtime.device import free_port
+from megatron_logra.runtime.faults import ENV as FAULT_ENV
 from megatron_logra.weight_sync.cpu_live_weights import LIVE_WEIGHTS_ENV
 from megatron_logra.weight_sync.vllm_plugin import DIE_WITH_PARENT_ENV
 
@@ -83,6 +84,8 @@ def server_env(cfg: EngineConfig, engine_start: int, *, cuda: bool) -> dict[str,
         else:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                            "|".join(str(i) for i in range(cfg.tensor_parallel_size)))
+    if cfg.replica:  # an injected fault (tests) strikes the first engine only
+        env.pop(FAULT_ENV, None)
     env.update(dict(cfg.env))
     return env
 

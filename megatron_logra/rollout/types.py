@@ -67,6 +67,7 @@ class EngineConfig:
     # sized from what the trainer left free (``engine_memory``); None: vLLM's default
     gpu_memory_utilization: float | None = None
     url: str = ""  # a running vLLM server (``--rollout-engine-url``): not started here
+    replica: int = 0  # which of --rollout-replicas engines (its log, adapters, weight group)
     # "dummy": the server starts on random weights and the first push brings the
     # trainer's (no weights file anywhere); "auto": it loads ``model_dir``'s (tests)
     load_format: str = "dummy"

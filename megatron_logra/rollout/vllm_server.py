@@ -50,17 +50,19 @@ class VllmServer:
 
     def __init__(self, url: str, request_timeout_s: float = 1800.0,
                  connect_timeout_s: float = 600.0, concurrency: int = 64, owner=None,
-                 adapter_root: str | None = None):
+                 adapter_root: str | None = None, replica: int = 0):
         """``owner``: the ``server_process.LocalServer`` that runs this server (trainer
         rank 0 started it: ``restart`` starts a fresh one); None: a server the user runs.
         ``adapter_root``: where LoRA adapters are written for the server to load
-        (``--weight-sync lora-adapter``)."""
+        (``--weight-sync lora-adapter``). ``replica``: which of the run's engines this is
+        (``--rollout-replicas``)."""
         import requests
 
         self.timeout, self.connect_timeout = request_timeout_s, connect_timeout_s
         self.http = requests.Session()
         self.pool = ThreadPoolExecutor(concurrency)
         self.owner = owner
+        self.replica = replica
         self.start_id = 0  # which server (and group) this is: a restart makes a fresh one
         self.restarts = 0
         self._call: threading.Thread | None = None
@@ -78,7 +80,7 @@ class VllmServer:
         owner = LocalServer(cfg, log_path, cuda=cuda)
         try:
             return cls(owner.start(), cfg.request_timeout_s, cfg.startup_timeout_s,
-                       owner=owner, adapter_root=adapter_root)
+                       owner=owner, adapter_root=adapter_root, replica=cfg.replica)
         except EngineError:
             owner.stop()
             raise
@@ -331,8 +333,8 @@ class VllmServer:
     def _fault_due(self, update: int) -> bool:
         from megatron_logra.runtime.faults import engine_fault_due
 
-        return self.owner is not None and engine_fault_due("engine-generate", update,
-                                                          self.start_id)
+        return self.owner is not None and self.replica == 0 and engine_fault_due(
+            "engine-generate", update, self.start_id)
 
     # --- life cycle ------------------------------------------------------------------------
     def restart(self) -> None:

@@ -57,6 +57,16 @@ class _Shard:
     blocks: tuple[Block, ...]
 
 
+@dataclass
+class _Link:
+    """One engine's group: the group, the engine start it was built with (rank 0), and its
+    bound on each send."""
+
+    group: object = None
+    joined: int | None = None
+    wait_s: float = GroupAddress.timeout_s
+
+
 class DirectChannel:
     """The trainer's side of the direct channel (collective: every rank calls every method)."""
 
@@ -77,10 +87,11 @@ class DirectChannel:
         self.message_device = self.device if self.backend == "nccl" else torch.device("cpu")
         self.shards = self._my_shards(model_chunks, plan, merged)
         self.shadow: dict[str, torch.Tensor] = {}  # sparse deltas: what each shard last sent
-        self.group = self.store = None
+        self.store = None
         self.address: GroupAddress | None = None  # rank 0: its store's (prefix set per join)
-        self.joined = None  # the engine start the group was built with
-        self.wait_s = GroupAddress.timeout_s  # the joined group's bound on each send
+        self.links: dict[int, _Link] = {}  # each replica's group (``use``)
+        self.replica = 0
+        self.link = self.links.setdefault(0, _Link())
         self.sent_here = 0  # bytes this rank has sent (benchmarks)
         self.hf_shapes = hf_param_shapes(arch)
 
@@ -107,25 +118,35 @@ class DirectChannel:
         return out
 
     # --- the group ---------------------------------------------------------------------------
+    def use(self, replica: int) -> None:
+        """Send the next pushes to engine ``replica`` (--rollout-replicas; every rank): each
+        engine has its own group."""
+        self.replica = replica
+        self.link = self.links.setdefault(replica, _Link())
+
+    @property
+    def group(self):
+        return self.link.group
+
     def join(self, engine) -> str:
         """Make sure the engine's workers and every trainer rank share a group (a fresh one
         for each engine start); returns a failure ("" when joined)."""
 
         def new_address() -> GroupAddress | None:  # rank 0: None when already joined
             start = getattr(engine, "start_id", None)
-            if start == self.joined:
+            if start == self.link.joined:
                 return None
             if self.store is None:
                 host = os.environ.get("MASTER_ADDR", "127.0.0.1")
                 self.address = GroupAddress(host, free_port(), "", self.world,
                                             self.engine_tp, self.backend)
                 self.store = open_store(self.address, master=True)
-            return replace(self.address, prefix=f"mlogra-direct/{start}/")
+            return replace(self.address, prefix=f"mlogra-direct/{self.replica}-{start}/")
         address = from_rank0(new_address)
         if address is None:
             return ""
-        self.group = None  # the old group's workers are gone
-        self.wait_s = address.timeout_s  # each send's bound (``p2p.wait_all``)
+        self.link.group = None  # the old group's workers are gone
+        self.link.wait_s = address.timeout_s  # each send's bound (``p2p.wait_all``)
         failed = ""
         if self.rank == 0:
             try:
@@ -134,8 +155,8 @@ class DirectChannel:
                 failed = str(exc)
         if not _agree(failed):
             try:
-                self.group = join_group(address, self.rank, self.store if self.rank == 0
-                                        else None, self.message_device)
+                self.link.group = join_group(address, self.rank, self.store if self.rank == 0
+                                             else None, self.message_device)
             except RuntimeError as exc:
                 failed = f"joining the direct weight group: {exc}"
             if self.rank == 0:
@@ -145,13 +166,15 @@ class DirectChannel:
                     failed = failed or str(exc)
         failed = _agree(failed)
         if not failed and self.rank == 0:
-            self.joined = getattr(engine, "start_id", None)
+            self.link.joined = getattr(engine, "start_id", None)
         if failed:
-            self.group = None
+            self.link.group = None
         return failed
 
     def close(self) -> None:
-        self.group = self.store = None
+        self.links = {}
+        self.use(self.replica)
+        self.store = None
 
     # --- pushes ------------------------------------------------------------------------------
     def full(self, engine, version: int, names: list[str] | None = None,
@@ -221,8 +244,8 @@ class DirectChannel:
                 failed = str(exc)
         failed = _agree(failed)
         if failed:
-            abort_group(self.group)
-            self.group, self.joined = None, None
+            abort_group(self.link.group)
+            self.link.group, self.link.joined = None, None
         sent = torch.tensor([self.sent_here - before], dtype=torch.int64)
         dist.all_reduce(sent)  # what every rank sent (the server reports no byte count)
         return Delivery(failed=failed, sent=int(sent))
@@ -235,7 +258,7 @@ class DirectChannel:
                                         self.message_device)
             works += posted
             self.sent_here += size
-        wait_all(works, self.wait_s)
+        wait_all(works, self.link.wait_s)
 
     # --- what goes in a round ---------------------------------------------------------------
     def _buckets(self, names: list[str] | None) -> list[list[str]]:

@@ -104,6 +104,10 @@ class WeightSync:
         """Make sparse deltas possible (forced ones too): record what full pushes send."""
         self.deltas.setdefault(Transport.SPARSE_DELTA, SparseDeltaPush(self.weights))
 
+    def use(self, replica: int) -> None:
+        """The next pushes and checks go to engine ``replica`` (its own weight group)."""
+        self.weights.direct.use(replica)
+
     def close(self) -> None:
         if self.weights.direct is not None:
             self.weights.direct.close()

@@ -49,7 +49,8 @@ EXPECTED_FLAGS = {
     "--clip-ratio-low", "--clip-ratio-high", "--importance-ratio-level", "--loss-agg-mode",
     "--grpo-std-norm", "--no-grpo-std-norm", "--dynamic-sampling",
     "--dynamic-sampling-max-rounds", "--save-keep", "--auto-resume",
-    "--max-skipped-updates",
+    "--max-skipped-updates", "--rollout-replicas", "--async-rollouts", "--max-staleness",
+    "--max-staleness-kl", "--stale-samples",
 }
 
 
@@ -131,6 +132,16 @@ def test_valid_command_line_gives_frozen_config():
     (["--optimizer", "logra", "--transformer-impl", "transformer_engine"], 1,
      "LoGRA's sketched linears .* use --transformer-impl local"),
     (["--peft", "lora", "--transformer-impl", "transformer_engine"], 1, "LoRA's adapted"),
+    (["--stage", "rl", "--max-staleness", "2"], 1, "bound the samples of --async-rollouts"),
+    (["--stage", "rl", "--async-rollouts", "--max-staleness-kl", "0.01", "--kl-control",
+      "none"], 1, "--kl-control none does not estimate"),
+    (["--stage", "rl", "--async-rollouts", "--rollout-placement", "colocated"], 1,
+     "takes turns on the same devices"),
+    (["--stage", "rl", "--rollout-replicas", "2", "--weight-sync", "sparse-delta"], 1,
+     "one engine's view"),
+    (["--stage", "rl", "--rollout-replicas", "2", "--rollout-engine-url",
+      "http://127.0.0.1:8000"], 1, "names one server"),
+    (["--stage", "rl", "--rollout-replicas", "0"], 1, "--rollout-replicas must be >= 1"),
 ])
 def test_bad_command_lines_name_problem_and_fix(argv, world, match):
     with pytest.raises(ConfigError, match=match):

@@ -41,7 +41,7 @@ def test_dedicated_gpus_refused_when_shared_missing_or_miscounted():
     with pytest.raises(ValueError, match=r"\[8, 9\] do not exist on node 0 \(visible GPUs: "
                                          r"0-7\)"):
         _gpu("dedicated", "8,9")
-    with pytest.raises(ValueError, match="3 GPUs for --rollout-tensor-parallel-size 2"):
+    with pytest.raises(ValueError, match="3 GPUs for 2 engine ranks"):
         _gpu("dedicated", "5-7", local=5)
     with pytest.raises(ValueError, match="needs --rollout-devices"):
         _gpu("dedicated")
@@ -121,3 +121,41 @@ def test_optimizer_cpu_offload_reaches_megatron_on_cuda_and_is_refused_on_cpu(mo
     rl = ["--stage", "rl", "--kl-control", "predicted", "--use-distributed-optimizer"]
     with pytest.raises(ValueError, match="kl-control predicted with --optimizer-cpu-offload"):
         parse_run_config([*rl, "--optimizer-cpu-offload"], world_size=1)
+
+
+def test_replicas_each_get_their_own_share_of_dedicated_devices():
+    from megatron_logra.rollout.placement import split_replicas
+
+    whole = plan_placement("dedicated", "4-7", engine_tp=2, cuda=True, node_devices=GPUS8,
+                           local_world_size=4, visible="0,1,2,3,10,11,12,13", replicas=2)
+    shares = split_replicas(whole, 2, 2, cuda=True, node_devices=GPUS8)
+    assert [s.devices for s in shares] == [(4, 5), (6, 7)]
+    assert [s.env for s in shares] == [{"CUDA_VISIBLE_DEVICES": "10,11"},
+                                       {"CUDA_VISIBLE_DEVICES": "12,13"}]
+    cpu = plan_placement("dedicated", "2-5", engine_tp=1, cuda=False, node_devices=list(range(6)),
+                         local_world_size=2, replicas=2)
+    shares = split_replicas(cpu, 2, 1, cuda=False, node_devices=list(range(6)))
+    assert [s.engine_cores for s in shares] == [(2, 3), (4, 5)]
+    assert [s.env for s in shares] == [{"VLLM_CPU_OMP_THREADS_BIND": "2,3"},
+                                       {"VLLM_CPU_OMP_THREADS_BIND": "4,5"}]
+    assert all(s.trainer_cores == (0, 1) for s in shares)
+
+
+def test_replica_layouts_refused_with_the_fix():
+    from megatron_logra.rollout.placement import split_replicas
+
+    with pytest.raises(ValueError, match="3 GPUs for 4 engine ranks"):
+        plan_placement("dedicated", "5-7", engine_tp=2, cuda=True, node_devices=GPUS8,
+                       local_world_size=4, replicas=2)
+    cpu = plan_placement("dedicated", "2-4", engine_tp=1, cuda=False, node_devices=list(range(6)),
+                         local_world_size=2, replicas=2)
+    with pytest.raises(ValueError, match="3 cores for --rollout-replicas 2 x"):
+        split_replicas(cpu, 2, 1, cuda=False, node_devices=list(range(6)))
+    with pytest.raises(ValueError, match="give each engine GPUs of its own"):
+        split_replicas(_gpu("inherit"), 2, 2, cuda=True, node_devices=GPUS8)
+    colocated = split_replicas(_gpu("colocated"), 2, 2, cuda=True, node_devices=GPUS8)
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in colocated] == ["0,1", "2,3"]
+    assert all(s.sleep_mode for s in colocated)
+    inherit_cpu = plan_placement("inherit", "", engine_tp=1, cuda=False, node_devices=[0, 1],
+                                 local_world_size=2)
+    assert split_replicas(inherit_cpu, 2, 1, cuda=False, node_devices=[0, 1]) == [inherit_cpu] * 2
