@@ -62,6 +62,8 @@ METHODS = {
     "logra-no-mismatch": ("logra", ["--no-kl-mismatch-adjust"]),
     # a fixed step (alpha = 1) whose predicted and realized KL are still measured (Figure 6)
     "logra-fixed-step": ("logra", ["--kl-control", "measure"]),
+    # generation one step off, beside training (issue 39's learning curve against logra)
+    "logra-async": ("logra", ["--async-rollouts"]),
 }
 DEFAULT_METHODS = ("dense", "logra", "lora")
 
