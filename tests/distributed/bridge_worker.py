@@ -47,6 +47,9 @@ LAYOUTS = {world: {**{name: [*flags, *ADAM] for name, flags in layouts.items()},
 # the server is killed before update 3's rollouts: a fresh one starts on dummy weights,
 # joins a fresh group and is resynced in full
 KILL_BEFORE_UPDATE = 2
+# the layouts whose server (rank 0 started it) is killed once: a TP1 and a TP2 server
+# (each restart is a fresh server on dummy weights, joined and resynced in full)
+KILLED = ("tp1", "tp2pp2_engine_tp2")
 REMOTE = "pp2"  # into the test's server when the launch names one
 TRANSPORTS = ["sparse-delta", "sketch-delta", "sketch-delta", "full"]
 
@@ -127,7 +130,7 @@ def main() -> None:
             flags = [*flags, "--rollout-engine-url", remote,
                      "--model-dir", os.environ["BRIDGE_MODEL_DIR"]]
         result[name] = _check_layout([*BASE, *flags, "--output-dir", f"{run_dir}/{name}"],
-                                     kill_engine=not remote)
+                                     kill_engine=name in KILLED)
         result[name]["remote_engine"] = bool(remote)
         if rt.rank == 0:
             print(f"[bridge] {name}: {result[name]}", flush=True)
