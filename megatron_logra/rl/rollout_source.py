@@ -82,6 +82,15 @@ class RolloutSource:
         benchmarks)."""
         self.link.push(version, transport)
 
+    def engine_mismatches(self) -> int | None:
+        """The tensors the engines hold differently from the trainer, summed over the
+        engines (vLLM's checksums; collective); None when a check failed."""
+        counts = []
+        for replica in range(self.link.replicas):
+            self.weights.use(replica)
+            counts.append(self.weights.engine_mismatches(self.link.engines[replica]))
+        return None if None in counts else sum(counts)
+
     def close(self) -> None:
         self.link.close()
         if self.driver is not None:

@@ -7,8 +7,13 @@ trains. ``RLStage.step(update)`` is one update, in this order:
    exactly the trainer's current weights (version = updates done), scored, with their
    advantages, on every rank;
 2. ``PolicyUpdate.train``: the policy-gradient step(s) (dense Adam, LoRA or LoGRA);
-3. the version moves on and the new weights are pushed to the engine (``weight_sync``:
+3. the version moves on and the new weights are pushed to the engines (``weight_sync``:
    full, sparse-delta or sketch-delta) and committed.
+
+With ``--async-rollouts`` step 1 takes the batch generated beside the previous update's
+training and starts the next ones (``rl.rollout_ahead``), and the staleness bounds
+decide each sample's weight in the loss (``rl.staleness``); a batch with nothing left
+trains nothing and pushes nothing.
 
 If the engine dies or fails a request, rank 0 restarts it, the job pushes the weights
 again, and the update goes on. Evaluations (pass@1, pass@k on held-out prompts) run
@@ -129,7 +134,7 @@ class RLStage:
         tell) and an evaluation; every --eval-interval updates: an evaluation."""
         record: dict = {}
         if last:
-            mismatches = self.source.weights.engine_mismatches(self.engine)
+            mismatches = self.source.engine_mismatches()
             if mismatches is not None:
                 record["engine_weight_mismatches"] = mismatches
         interval = self.cfg.rl.eval_interval

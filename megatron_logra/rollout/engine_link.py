@@ -100,8 +100,9 @@ class EngineLink:
                 self.stats.pushes += 1
                 return
             if self.rank == 0:
-                print(f"weight push to engine {replica} failed ({failed}); restarting it",
-                      flush=True)
+                print(f"weight push{' to ' + self._name(replica) if self.replicas > 1 else ''} "
+                      f"failed ({failed}); "
+                      f"restarting the engine", flush=True)
                 self._restart(replica)
         raise RuntimeError(f"weight push failed {TRIES} times: see the engine errors above")
 
@@ -140,6 +141,10 @@ class EngineLink:
         self.engines[replica] = engine
         return ""
 
+    def _name(self, replica: int) -> str:
+        """"engine R" when there are several engines, else "engine"."""
+        return f"engine {replica}" if self.replicas > 1 else "engine"
+
     @staticmethod
     def _adapter_root(cfg: EngineConfig) -> str:
         name = f"adapters-{cfg.replica}" if cfg.replica else "adapters"
@@ -159,7 +164,8 @@ class EngineLink:
                 engine.sleep()
                 self.asleep[replica] = {"weights", "kv_cache"}
             except EngineError as exc:
-                print(f"engine {replica} sleep failed ({exc}); restarting it", flush=True)
+                print(f"{self._name(replica)} sleep failed ({exc}); restarting the "
+                      f"engine", flush=True)
                 self._restart(replica)
 
     def _wake(self, replica: int, tags: list[str]) -> None:
@@ -175,7 +181,8 @@ class EngineLink:
             self.engines[replica].wake(wanted)
             self.asleep[replica] -= set(wanted)
         except EngineError as exc:
-            print(f"engine {replica} wake-up failed ({exc}); restarting it", flush=True)
+            print(f"{self._name(replica)} wake-up failed ({exc}); restarting the "
+                  f"engine", flush=True)
             self._restart(replica)
 
     def _restart(self, replica: int) -> None:
@@ -187,8 +194,8 @@ class EngineLink:
         try:
             engine.restart()
         except EngineError as exc:  # the next push starts a fresh one from current weights
-            print(f"engine {replica} restart failed ({exc}); starting anew at the next push",
-                  flush=True)
+            print(f"{self._name(replica)} restart failed ({exc}); starting anew at the "
+                  f"next push", flush=True)
             self.engines[replica] = None
 
     # --- generation ------------------------------------------------------------------------
@@ -205,7 +212,8 @@ class EngineLink:
                     done = self.generate_here(requests, version, phase)
                 except _ReplicaErrors as exc:
                     failed = exc.replicas
-                    print(f"rollout failed ({exc}); restarting engine(s) {failed}", flush=True)
+                    which = f"s {failed}" if self.replicas > 1 else ""
+                    print(f"rollout failed ({exc}); restarting the engine{which}", flush=True)
                     for replica in failed:
                         self._restart(replica)
             failed = rank0_value(failed)  # the others follow rank 0's engines
@@ -263,4 +271,7 @@ class _ReplicaErrors(EngineError):
 
     def __init__(self, errors: dict[int, EngineError]):
         self.replicas = sorted(errors)
-        super().__init__("; ".join(f"engine {r}: {e}" for r, e in sorted(errors.items())))
+        if list(errors) == [0] and len(errors) == 1:
+            super().__init__(str(errors[0]))  # one engine (or the first): its error as it is
+        else:
+            super().__init__("; ".join(f"engine {r}: {e}" for r, e in sorted(errors.items())))

@@ -3,7 +3,7 @@
 Each launch runs ``rl_worker.py``: start-up push, two RL updates (full push after each,
 each scaled by predicted-KL control but in the PPO layout; the advantages as the
 algorithm computed them are recorded, then replaced by +-1 so that the untrained model's
-weights move), then in two layouts (a full resync, and base + adapter) the engine is
+weights move), then in the adapter-only layout (base + adapter resynced) the engine is
 killed and the next rollout must restart and resync it (engine deaths in the middle of
 rollouts and pushes: ``test_rl_faults.py``). At every
 check the trainer's and the engine's logprobs on the same fixed token rows agree
@@ -12,7 +12,7 @@ would see a stale engine). Layouts: trainer TP2 with dense Adam (Dr.GRPO's loss 
 dynamic sampling; a model whose max_position_embeddings is --seq-length); PP2 with LoGRA
 (tied embedding split over the stages, the sender of each tensor is not rank 0); TP2
 with LoRA adapters (full pushes of the merged weights; predicted-KL control steps the
-adapters); TP2 and PP2 with LoRA and adapter-only sync (the engine serves the base plus
+adapters); PP2 with LoRA and adapter-only sync (the engine serves the base plus
 the adapter through vLLM's LoRA support; only the adapter moves after start-up); DP2 with
 LoGRA taking 2 PPO epochs x 2 minibatches per update (clip-higher, GSPO's aggregation,
 dynamic sampling), its engine on a CPU core of its own (--rollout-placement dedicated).
@@ -62,9 +62,8 @@ LAYOUTS = {
     "tp2_lora": ["--tensor-model-parallel-size", "2", "--peft", "lora", "--lora-rank", "8",
                  "--lr", "2e-2", *KL],
     # LoRA with adapter-only sync: the server keeps the base and serves the adapter
-    # (vLLM's runtime LoRA loading); trainer TP2 and PP2
-    "tp2_lora_adapter": ["--tensor-model-parallel-size", "2", "--peft", "lora", "--lora-rank",
-                         "8", "--lr", "2e-2", "--weight-sync", "lora-adapter", *KL],
+    # (vLLM's runtime LoRA loading); trainer PP2 (the adapter's TP gather: tp2_lora's
+    # merged pushes and tests/unit/test_lora_export.py)
     "pp2_lora_adapter": ["--pipeline-model-parallel-size", "2", "--peft", "lora",
                          "--lora-rank", "8", "--lr", "2e-2", "--weight-sync", "lora-adapter",
                          *KL],
@@ -82,9 +81,10 @@ LAYOUTS = {
 ENGINE_CORE = max(os.sched_getaffinity(0))
 
 
-# the layouts whose engine is killed after the updates (a full resync, and a resync of
-# base + adapter); engine deaths at every point of an update: test_rl_faults.py
-KILLED_ENGINE = ("tp2_adam", "pp2_lora_adapter")
+# the layout whose engine is killed after the updates (a resync of base + adapter; a full
+# resync after a restart: test_weight_bridge.py); engine deaths at every point of an
+# update: test_rl_faults.py
+KILLED_ENGINE = ("pp2_lora_adapter",)
 # the layout whose model holds no position past --seq-length (max_position_embeddings =
 # 96, as Qwen2.5-Math-1.5B's 4096 at the paper's --seq-length 4096): vLLM refuses a
 # max_model_len above it, so the engine must be sized to --seq-length, not one more

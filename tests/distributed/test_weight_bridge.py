@@ -1,7 +1,7 @@
 """Weight sync into a real vLLM engine: full, sparse-delta and sketch-delta, bit-exact.
 
-Launches ``bridge_worker.py`` at world sizes 1, 2 and 4: trainer TP1, TP2, PP2 and
-TP2 x PP2, each into a vLLM TP1 engine, and TP2 x PP2 into a vLLM TP2 engine; bf16
+Launches ``bridge_worker.py`` at world sizes 1, 2 and 4: trainer TP1, PP2 and TP2 x PP2
+(which covers the TP split), each into a vLLM TP1 engine, and TP2 x PP2 into a vLLM TP2 engine; bf16
 weights, LoGRA in SR mode
 (``--logra-master-weights none``) on every target (qkv, proj, fc1, fc2, and the tied
 embedding, split over the stages at PP2); a bf16 engine. Four updates are pushed as
@@ -90,7 +90,7 @@ def layouts(tmp_path_factory) -> dict:
     return results
 
 
-LAYOUTS = ["tp1", "tp2", "pp2", "tp2pp2", "tp2pp2_engine_tp2"]
+LAYOUTS = ["tp1", "pp2", "tp2pp2", "tp2pp2_engine_tp2"]
 KILLED = ("tp1", "tp2pp2_engine_tp2")  # bridge_worker.KILLED
 
 
