@@ -48,11 +48,14 @@ def _run(cmd: list[str]) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("layouts", ["DP2,PP2", "DP1,TP2"])
+# DP2 (sharded optimizers) and PP2 (two microbatches in flight) here; DP1, DP4, TP2 and
+# TP3 are benchmarks/memory_plan.py --measured's (results/memory_plan.md: within 0.2% and
+# 5.2%), which validates the same model against benchmarks/memory.py
+@pytest.mark.parametrize("layouts", ["DP2,PP2"])
 def test_memory_plan_matches_the_measured_layouts(tmp_path, layouts):
     """benchmarks/memory_plan.py vs benchmarks/memory.py on the small shape: every method
-    (dense Adam, LoGRA in both modes, LoRA) at DP1, DP2 (sharded optimizers), TP2 and PP2
-    (two stages, two microbatches in flight on the first): the busiest rank's model state
+    (dense Adam, LoGRA in both modes, LoRA) at DP2 (sharded optimizers) and PP2 (two
+    stages, two microbatches in flight on the first): the busiest rank's model state
     within 2% and its peak within 10% (measured here: 0.6% and 6%)."""
     cmd = [sys.executable, str(REPO / "benchmarks/memory.py"), "--shape", "small",
            "--rank", "16", "--lora-rank", "8", "--seq-length", "128", "--steps", "2",
