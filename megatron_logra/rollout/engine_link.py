@@ -83,6 +83,8 @@ class EngineLink:
     def push(self, version: int, transport: str | None = None) -> None:
         """Push the trainer's weights as ``version`` into every engine; restart an engine
         and push to it again on failure. ``transport`` forces one (tests, benchmarks)."""
+        if self.pool is not None and None in self.engines:  # start them all at once
+            list(self.pool.map(self._start_here, range(self.replicas)))
         for replica in range(self.replicas):
             self.push_to(replica, version, transport)
 
@@ -116,7 +118,8 @@ class EngineLink:
 
     def _start_here(self, replica: int) -> str:
         """Rank 0 connects to engine ``replica``, starting it if it is ours and not running;
-        the failure, or ""."""
+        the failure, or "" (several engines start at once, each in a thread of ``pool``;
+        one that failed is started again by its push)."""
         if self.engines[replica] is not None:
             return ""
         cfg = self.engine_cfgs[replica]
