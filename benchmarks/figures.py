@@ -400,7 +400,7 @@ def _fig6(path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     methods = {"logra": "predicted-KL control", "logra-no-mismatch": "budget, no mismatch term",
-               "logra-fixed-step": "fixed step (no control)"}
+               "logra-fixed-step": "fixed step (alpha = 1, KL measured)"}
     # the long-horizon runs when there are any (LONG_HORIZON), else the quality runs
     runs = _quality_runs(LONG_HORIZON) or _quality_runs()
     acc = _curves_by_method(runs, methods, "pass@1")
