@@ -63,7 +63,8 @@ def run_variant(name: str, repeat: int, updates: int) -> Path:
         subprocess.run(["rm", "-rf", str(out)], check=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            str(REPO / "launch" / "pretrain_rl.py"), *DEMO, "--load", str(WARM_START),
-           "--train-iters", str(updates), "--output-dir", str(out), *VARIANTS[name]]
+           "--train-iters", str(updates), "--output-dir", str(out), "--save", str(out / "ckpt"),
+           *VARIANTS[name]]
     print(f"[async_rollouts] {name} (repeat {repeat + 1})", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     with (out / "train.log").open("w") as log:
@@ -98,11 +99,14 @@ def table(report: dict) -> str:
         rows.append(f"| {name} | {v['updates']} | {v['s_per_update']:.1f} | {v['rollout_s']:.1f} "
                     f"| {v['train_s']:.1f} | {v['push_s']:.2f} | **{v['updates_per_h']:.0f}** | "
                     f"{v['trainer_waits']:.0%} | {v['engines_idle']:.0%} |")
-    ratios = report["ratios"]
-    return ("\n".join(rows) + "\n\n" + f"Asynchronous / synchronous updates per hour: dedicated "
-            f"{ratios['dedicated']:.2f}x, shared with one engine {ratios['shared_1']:.2f}x, "
-            f"with two {ratios['shared_2']:.2f}x; two engines / one (synchronous, shared "
-            f"cores): {ratios['replicas_sync']:.2f}x.\n\n" + report["setup"] + "\n")
+    said = {"dedicated": "asynchronous / synchronous, dedicated cores",
+            "shared_1": "asynchronous / synchronous, one engine on shared cores",
+            "shared_2": "asynchronous / synchronous, two engines on shared cores",
+            "replicas_sync": "two engines / one, synchronous, shared cores"}
+    ratios = "; ".join(f"{said[k]} {v:.2f}x" for k, v in report["ratios"].items()
+                       if v == v)  # NaN: a variant not run
+    return ("\n".join(rows) + "\n\nUpdates per hour, " + ratios + ".\n\n" + report["setup"]
+            + "\n")
 
 
 def main(argv=None) -> None:
