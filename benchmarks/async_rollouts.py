@@ -46,10 +46,10 @@ VARIANTS = {
     "dedicated sync": ["--rollout-placement", "dedicated", "--rollout-devices", str(ENGINE_CORE)],
     "dedicated async": ["--rollout-placement", "dedicated", "--rollout-devices",
                         str(ENGINE_CORE), "--async-rollouts"],
-    "shared sync, 1 engine": [],
-    "shared async, 1 engine": ["--async-rollouts"],
-    "shared sync, 2 engines": ["--rollout-replicas", "2"],
-    "shared async, 2 engines": ["--rollout-replicas", "2", "--async-rollouts"],
+    "shared sync 1 engine": [],
+    "shared async 1 engine": ["--async-rollouts"],
+    "shared sync 2 engines": ["--rollout-replicas", "2"],
+    "shared async 2 engines": ["--rollout-replicas", "2", "--async-rollouts"],
 }
 
 
@@ -129,9 +129,9 @@ def main(argv=None) -> None:
     ratio = lambda a, b: per_h[a] / per_h[b] if a in per_h and b in per_h else float("nan")  # noqa: E731
     report = {"variants": variants, "ratios": {
         "dedicated": ratio("dedicated async", "dedicated sync"),
-        "shared_1": ratio("shared async, 1 engine", "shared sync, 1 engine"),
-        "shared_2": ratio("shared async, 2 engines", "shared sync, 2 engines"),
-        "replicas_sync": ratio("shared sync, 2 engines", "shared sync, 1 engine")},
+        "shared_1": ratio("shared async 1 engine", "shared sync 1 engine"),
+        "shared_2": ratio("shared async 2 engines", "shared sync 2 engines"),
+        "replicas_sync": ratio("shared sync 2 engines", "shared sync 1 engine")},
         "setup": f"CPU figures, 2 cores: SmolLM2-135M-Instruct, the demo's RL recipe at trainer "
                  f"TP1 (LoGRA r=64, predicted-KL control, full pushes, 16 x 4 samples "
                  f"per update), {args.updates} updates per run, {args.repeats} runs per "
