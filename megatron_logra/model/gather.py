@@ -14,6 +14,7 @@ from megatron.core import parallel_state
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.provider import canonical_param_names, unwrap
 from megatron_logra.model.sharding import full_of_shards, tp_split
+from megatron_logra.runtime.collectives import every_rank
 
 
 @torch.no_grad()
@@ -34,8 +35,7 @@ def gather_full_state_dict(model: torch.nn.Module, arch: ModelArch) -> dict[str,
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if pp_size == 1:
         return stage
-    stages: list[dict | None] = [None] * pp_size
-    dist.all_gather_object(stages, stage, group=parallel_state.get_pipeline_model_parallel_group())
+    stages = every_rank(stage, group=parallel_state.get_pipeline_model_parallel_group())
     full: dict[str, torch.Tensor] = {}
     for part in stages:
         for name, value in part.items():

@@ -72,9 +72,7 @@ def shared_gpu_utilization_measured(rl, arch, placement) -> float | None:
     import os
 
     import torch
-    import torch.distributed as dist
-
-    from megatron_logra.runtime.collectives import from_rank0
+    from megatron_logra.runtime.collectives import every_rank, from_rank0
     from megatron_logra.runtime.device import current_device, release_cached_memory
 
     if (current_device().type != "cuda" or placement.mode == "dedicated"
@@ -84,8 +82,7 @@ def shared_gpu_utilization_measured(rl, arch, placement) -> float | None:
     free, total = torch.cuda.mem_get_info()
     here = (os.environ.get("GROUP_RANK", "0"), int(os.environ.get("LOCAL_RANK", "0")),
             GpuMemory(int(free), int(total)))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, here)
+    everyone = every_rank(here)
     tp = rl.rollout_tensor_parallel_size
     gpus = [gpu for node, local, gpu in everyone if node == "0" and local < tp]
     needed = engine_bytes(arch.num_parameters, tp, 2 if rl.rollout_dtype == "bfloat16" else 4,

@@ -40,7 +40,7 @@ from megatron_logra.weight_sync.transfer_plan import Block, shard_blocks, shard_
 from megatron_logra.model.hf_mapping import hf_param_shapes, megatron_param_names, row_segments
 from megatron_logra.model.provider import canonical_param_names, global_shape, served_parameters
 from megatron_logra.model.sharding import tp_split
-from megatron_logra.runtime.collectives import from_rank0
+from megatron_logra.runtime.collectives import every_rank, from_rank0
 from megatron_logra.runtime.device import current_device, free_port
 
 
@@ -349,6 +349,4 @@ def _worker_index(block: Block, where: torch.Tensor) -> torch.Tensor:
 
 def _agree(failed: str) -> str:
     """The first failure any rank saw ("" when none), on every rank."""
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, failed)
-    return next((f for f in everyone if f), "")
+    return next((f for f in every_rank(failed) if f), "")

@@ -25,6 +25,7 @@ from megatron_logra.model.hf_mapping import (hf_from_megatron, megatron_param_na
                                              megatron_param_shape)
 from megatron_logra.model.provider import canonical_param_names, served_parameters, unwrap
 from megatron_logra.model.sharding import full_of_shards, tp_split
+from megatron_logra.runtime.collectives import every_rank
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -43,8 +44,7 @@ def plan_push(model_chunks, arch: ModelArch) -> PushPlan:
     mine = (parallel_state.get_pipeline_model_parallel_rank(),
             parallel_state.get_tensor_model_parallel_rank(),
             parallel_state.get_data_parallel_rank(), sorted(names))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = every_rank(mine)
     sender: dict[str, tuple[int, int]] = {}
     for rank, (pp, tp, dp, held) in enumerate(everyone):
         if tp or dp:

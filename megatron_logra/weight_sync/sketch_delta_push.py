@@ -3,12 +3,11 @@ params that train, in full (none when they are frozen, the paper's setting)."""
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from megatron_logra.logra.optimizer import LograOptimizer
 from megatron_logra.model.hf_mapping import megatron_param_names
 from megatron_logra.model.provider import canonical_param_names, unwrap
 from megatron_logra.rollout.types import Delivery, Transport
+from megatron_logra.runtime.collectives import every_rank
 from megatron_logra.weight_sync.transport import TrainerWeights
 
 class SketchDeltaPush:
@@ -26,8 +25,7 @@ class SketchDeltaPush:
         names = canonical_param_names(weights.model[0], weights.arch)
         trained = {names[n] for n, p in unwrap(weights.model[0]).named_parameters()
                    if p.requires_grad}
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, ([s.name for s in optimizer.sketches.slots], trained))
+        everyone = every_rank(([s.name for s in optimizer.sketches.slots], trained))
         sketched = {n for ns, _ in everyone for n in ns}
         trained = set().union(*(t for _, t in everyone))
         # the unsketched params that train go in full with each delta; frozen ones

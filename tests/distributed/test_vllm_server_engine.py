@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from megatron_logra.model.tiny_assets import write_tiny_hf_checkpoint
+from megatron_logra.runtime.device import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm]
 
@@ -38,16 +38,10 @@ LOGPROB_TOLERANCE = 2e-2  # bf16 trainer vs bf16 server, measured ~5e-3
 RANK, WIDTH = 16, 128  # LoGRA's rank; the tiny model's hidden size
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _server(model: Path, port: int, log: Path) -> subprocess.Popen:
     """vLLM's server as a user starts it (docs/usage.md), TP2 on the two cores."""
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", MLOGRA_LIVE_WEIGHTS="1",
-               VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CACHE_ROOT=str(log.parent / "cache"))
+               VLLM_CPU_OMP_THREADS_BIND="0|1")
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--port", str(port), "--tensor-parallel-size", "2", "--dtype", "bfloat16",
             "--max-model-len", "96", "--enforce-eager", "--kv-cache-memory-bytes", "256M",
@@ -62,7 +56,7 @@ def _server(model: Path, port: int, log: Path) -> subprocess.Popen:
 def result(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("server")
     model = write_tiny_hf_checkpoint(tmp / "model")
-    port, log = _free_port(), tmp / "server.log"
+    port, log = free_port(), tmp / "server.log"
     server = _server(model, port, log)
     try:
         out = tmp / "result.json"

@@ -1,8 +1,8 @@
 """Weight sync into a real vLLM engine: full, sparse-delta and sketch-delta, bit-exact.
 
-Launches ``bridge_worker.py`` at world sizes 1, 2 and 4: trainer TP1, PP2 and TP2 x PP2
-(which covers the TP split), each into a vLLM TP1 engine, and TP2 x PP2 into a vLLM TP2 engine; bf16
-weights, LoGRA in SR mode
+Launches ``bridge_worker.py`` at world sizes 1, 2 and 4: trainer TP1 and PP2 into a vLLM
+TP1 engine, and TP2 x PP2 (both splits at once) into a vLLM TP2 engine (a TP2 trainer's
+sketch deltas into TP1 engines: ``test_async_rollouts.py``); bf16 weights, LoGRA in SR mode
 (``--logra-master-weights none``) on every target (qkv, proj, fc1, fc2, and the tied
 embedding, split over the stages at PP2); a bf16 engine. Four updates are pushed as
 sparse-delta (each sender's changed elements), sketch-delta (each rank sends only its
@@ -47,8 +47,7 @@ def _server(tmp: Path):
     model = write_tiny_hf_checkpoint(tmp / "server_model")
     port = free_port()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", MLOGRA_LIVE_WEIGHTS="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", TMPDIR=str(tmp),
-               VLLM_CACHE_ROOT=str(tmp / "vllm-cache"))
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", TMPDIR=str(tmp))
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "96",
             "--enforce-eager", "--kv-cache-memory-bytes", "256M", "--max-num-seqs", "64",
@@ -90,7 +89,7 @@ def layouts(tmp_path_factory) -> dict:
     return results
 
 
-LAYOUTS = ["tp1", "pp2", "tp2pp2", "tp2pp2_engine_tp2"]
+LAYOUTS = ["tp1", "pp2", "tp2pp2_engine_tp2"]
 KILLED = ("tp1", "tp2pp2_engine_tp2")  # bridge_worker.KILLED
 
 
@@ -123,16 +122,18 @@ def test_each_worker_receives_only_its_pieces(layouts, layout):
 
 def test_deltas_send_a_fraction_of_the_weights(layouts):
     """Sketch delta: rank 16 of in >= 128 for the sketched weights (+ the trained small
-    tensors in full; frozen ones are not sent), about the same at every layout (each TP
-    rank's rows are its own runs). Sparse delta: the bf16 elements that changed, a tensor
-    dense when that is smaller."""
-    trained, frozen = layouts["tp2pp2"], layouts["tp2pp2_engine_tp2"]
+    tensors in full; frozen ones are not sent), the same at TP1 and PP2 into a TP1 engine
+    (each stage sends its own rows); into a TP2 engine more (measured 213 kB against 181
+    kB: each worker holds columns of the row-parallel weights, proj and fc2, and needs
+    all rows of their D), still a fraction. Sparse delta: the
+    bf16 elements that changed, a tensor dense when that is smaller."""
+    tp1 = layouts["tp1"]
     for name in LAYOUTS:
         got = layouts[name]
-        ref = frozen if name.endswith("_engine_tp2") else trained
         sparse, sketch, full = got["bytes"][0], got["bytes"][1], got["full_bytes"]
-        assert sketch == pytest.approx(ref["bytes"][1], rel=0.02), (name, got["bytes"])
-        assert full == ref["full_bytes"]
+        if not name.endswith("_engine_tp2"):
+            assert sketch == pytest.approx(tp1["bytes"][1], rel=0.02), (name, got["bytes"])
+        assert full == tp1["full_bytes"]
         # this test's steps are large (norm ratio 2e-2): most bf16 elements change, and
         # such tensors go dense; never more than the full push plus headers
         assert sketch < 0.2 * full and sparse < 1.1 * full, (name, got["bytes"])

