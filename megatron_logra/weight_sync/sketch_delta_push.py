@@ -10,6 +10,7 @@ from megatron_logra.rollout.types import Delivery, Transport
 from megatron_logra.runtime.collectives import every_rank
 from megatron_logra.weight_sync.transport import TrainerWeights
 
+
 class SketchDeltaPush:
     transport = Transport.SKETCH_DELTA
     verifiable = True
