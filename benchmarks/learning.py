@@ -18,8 +18,8 @@ from pathlib import Path
 
 from _results import save
 
-from megatron_logra.testing.learning import (MIN_GAIN, OPTIMIZERS, SEEDS, held_out_gain,
-                                             rl_run, warm_start)
+from megatron_logra.testing.learning import (MIN_GAIN, OPTIMIZERS, SEEDS, UPDATES,
+                                             held_out_gain, rl_run, warm_start)
 
 RUNS = Path(__file__).resolve().parents[1] / "runs" / "bench_learning"
 
@@ -27,15 +27,16 @@ RUNS = Path(__file__).resolve().parents[1] / "runs" / "bench_learning"
 def _run(method: str, seed: str) -> dict:
     out = RUNS / f"{method}-{seed.replace(' ', '')}"
     metrics = out / "metrics.jsonl"
-    if not (metrics.is_file() and '"step": 30' in metrics.read_text()):
+    records = ([json.loads(line) for line in metrics.read_text().splitlines()]
+               if metrics.is_file() else [])
+    if not records or records[-1]["step"] != UPDATES:
         warm = RUNS / "warm-start"  # the test's, for every seed of the RL runs
         if not (warm / "ckpt" / "latest").is_file():
             print("[learning] warm start", flush=True)
             warm_start(warm)
         print(f"[learning] {method} ({seed})", flush=True)
         out.mkdir(parents=True, exist_ok=True)
-        rl_run(method, warm / "ckpt", out, SEEDS[seed])
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        records = rl_run(method, warm / "ckpt", out, SEEDS[seed])
     got = held_out_gain(records)
     got["passes"] = got["gain"] >= MIN_GAIN and got["gain"] > 3 * got["se"]
     return got

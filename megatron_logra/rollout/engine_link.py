@@ -274,7 +274,7 @@ class _ReplicaErrors(EngineError):
 
     def __init__(self, errors: dict[int, EngineError]):
         self.replicas = sorted(errors)
-        if list(errors) == [0] and len(errors) == 1:
+        if list(errors) == [0]:
             super().__init__(str(errors[0]))  # one engine (or the first): its error as it is
         else:
             super().__init__("; ".join(f"engine {r}: {e}" for r, e in sorted(errors.items())))

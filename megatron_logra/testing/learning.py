@@ -22,7 +22,8 @@ from megatron_logra.rl.stats import paired_gain
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch" / "pretrain_rl.py"
 COMMON = ["--task", "gcd", "--seq-length", "160"]
-RL = ["--stage", "rl", "--train-iters", "30", "--prompts-per-step", "32",
+UPDATES = 30  # RL updates per run
+RL = ["--stage", "rl", "--train-iters", str(UPDATES), "--prompts-per-step", "32",
       "--responses-per-prompt", "8", "--micro-batch-size", "64", "--max-new-tokens", "8",
       "--lr-decay-style", "constant", "--dataset-size", "1500", "--data-seed", "101",
       "--eval-prompts", "512",
@@ -58,7 +59,7 @@ def warm_start(tmp: Path, extra: list[str] = ()) -> Path:
 
 
 def rl_run(method: str, warm: Path, out: Path, extra: list[str] = ()) -> list[dict]:
-    """30 RL updates of ``method`` from ``warm``; the run's metrics records."""
+    """``UPDATES`` RL updates of ``method`` from ``warm``; the run's metrics records."""
     launch([*COMMON, *RL, *OPTIMIZERS[method], "--load", str(warm), "--finetune",
             "--output-dir", str(out), *extra], out.parent)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

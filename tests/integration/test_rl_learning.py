@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_logra.testing.learning import (MIN_GAIN, held_out_gain, rl_run, warm_start)
+from megatron_logra.testing.learning import MIN_GAIN, UPDATES, held_out_gain, rl_run, warm_start
 from megatron_logra.testing.log_readers import check_logs_match
 
 pytestmark = pytest.mark.vllm
@@ -60,7 +60,7 @@ def test_logra_raises_held_out_pass_rate(sft_checkpoint, tmp_path):
     out = tmp_path / "rl"
     records = rl_run("logra", sft_checkpoint, out, _logging(out))
     _check_logs(out)
-    assert records[0]["step"] == 0 and records[-1]["step"] == 30
+    assert records[0]["step"] == 0 and records[-1]["step"] == UPDATES
     # the same 512 prompts and sampling seeds before and after: a paired gain per prompt
     got = held_out_gain(records)
     assert got["gain"] >= MIN_GAIN and got["gain"] > 3 * got["se"], got
