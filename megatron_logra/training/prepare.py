@@ -26,6 +26,7 @@ from megatron_logra.model.arch import load_arch
 from megatron_logra.model.provider import ModelBuildConfig, transformer_engine_available
 from megatron_logra.runtime import parallel
 from megatron_logra.runtime.device import init_runtime
+from megatron_logra.runtime.provenance import provenance
 from megatron_logra.training.build import TrainingObjects, build_training_objects
 
 
@@ -114,7 +115,7 @@ def prepare_training(cfg: RunConfig) -> Prepared:
             {"run": cfg.to_dict(), "arch": arch.to_dict(), "world_size": rt.world_size,
              "data_parallel_size": parallel_state.get_data_parallel_world_size(),
              "device": str(rt.device), "backend": rt.backend,
-             "flags": cfg.flag_sources}, indent=1))
+             "flags": cfg.flag_sources, "provenance": provenance()}, indent=1))
     return Prepared(objs, tokenizer, start_step, resumable, _checkpoint_meta(cfg, arch))
 
 
