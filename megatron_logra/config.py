@@ -137,6 +137,11 @@ class TrainingConfig:
     """Stop the run after this many updates in a row were skipped for a non-finite loss,
     sketch or gradient (each skip leaves weights and optimizer state untouched; 0: never
     stop)."""
+    log_adam_cosine: bool = False
+    """RL: log, every update, the cosine between the update applied to the layers' linear
+    weights and the step dense Adam would take from the same gradients (a shadow Adam;
+    training/adam_cosine.py). A diagnostic for method comparisons: it costs a dense weight
+    gradient and four fp32 copies of those weights."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -280,6 +285,10 @@ def _check_optimizer(opt: OptimizerConfig, training: TrainingConfig) -> None:
 
 def _check_sft(cfg: RunConfig) -> None:
     from megatron_logra.data.tasks import MATH
+
+    if cfg.training.log_adam_cosine:
+        raise ValueError("--log-adam-cosine is an RL diagnostic (it compares each RL update "
+                         "with dense Adam's); drop it for --stage sft")
 
     if any(name == MATH for name, _ in cfg.data.tasks):
         raise ValueError(f"--task: {MATH!r} has no SFT targets here; SFT takes reasoning-gym "

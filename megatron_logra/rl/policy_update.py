@@ -23,6 +23,7 @@ from megatron_logra.kl.controller import PredictedKLStep
 from megatron_logra.rl.policy_loss import (REPORT_KEYS, RolloutSample, collate_rollouts,
                                            logprobs_report, policy_gradient_loss)
 from megatron_logra.runtime.device import synchronize
+from megatron_logra.training.adam_cosine import AdamCosine
 from megatron_logra.training.build import TrainingObjects
 from megatron_logra.training.step import forward_backward, global_report_sums, train_step
 
@@ -34,6 +35,9 @@ class PolicyUpdate:
         kl = cfg.rl.kl
         self.kl_step = None if kl.control == "none" else PredictedKLStep(
             kl, temperature=cfg.rl.temperature, vocab_size=objs.arch.vocab_size)
+        opt = cfg.optimizer
+        self.adam_cosine = AdamCosine(objs.model, beta1=opt.adam_beta1, beta2=opt.adam_beta2,
+                                      eps=opt.adam_eps) if cfg.training.log_adam_cosine else None
 
     def batch_length(self, samples: list[RolloutSample]) -> int:
         """Padded length of this update's sequences: the longest rollout of the global batch
@@ -89,7 +93,7 @@ class PolicyUpdate:
         sums = dict.fromkeys(REPORT_KEYS, 0.0)
         kl_record: dict = {}
 
-        def optimizer_step(reports: list[dict]) -> tuple[bool, float | None]:
+        def scaled_step(reports: list[dict]) -> tuple[bool, float | None]:
             step = dict(zip(REPORT_KEYS, global_report_sums(reports, len(REPORT_KEYS))))
             for key, value in step.items():
                 sums[key] += value
@@ -104,11 +108,23 @@ class PolicyUpdate:
             kl_record.update(record)
             return ok, grad_norm
 
-        outs = [train_step(self.objs, microbatches, seq_length=length,
-                           micro_batch_size=t.micro_batch_size, loss_fn=loss_fn,
-                           optimizer_step=optimizer_step, advance_schedule=not (epoch or k),
-                           update=update + 1)
-                for epoch in range(rl.ppo_epochs) for k, microbatches in enumerate(minibatches)]
+        def optimizer_step(reports: list[dict]) -> tuple[bool, float | None]:
+            if self.adam_cosine is None:
+                return scaled_step(reports)
+            self.adam_cosine.before_step()
+            ok, grad_norm = scaled_step(reports)
+            kl_record.update(self.adam_cosine.after_step(ok))
+            return ok, grad_norm
+
+        outs = []
+        for epoch in range(rl.ppo_epochs):
+            for k, microbatches in enumerate(minibatches):
+                if self.adam_cosine is not None:
+                    self.adam_cosine.begin()
+                outs.append(train_step(self.objs, microbatches, seq_length=length,
+                                       micro_batch_size=t.micro_batch_size, loss_fn=loss_fn,
+                                       optimizer_step=optimizer_step,
+                                       advance_schedule=not (epoch or k), update=update + 1))
         synchronize()
         n = max(sums["tokens"], 1.0)
         record = {"loss": sum(o.loss for o in outs) / len(outs), "lr": outs[0].lr,
