@@ -43,21 +43,32 @@ class UncitableResult(ValueError):
 
 @dataclass(frozen=True)
 class Block:
-    """One generated block: ``render(report) -> markdown`` of ``results/source``."""
+    """One generated block: ``render(report) -> markdown`` of ``results/source``; with several
+    sources, ``render({source: report}) -> markdown`` (a summary of several benchmarks),
+    then one source line per file, in a list."""
 
-    source: str  # path under benchmarks/results/
+    source: str | tuple[str, ...]  # path(s) under benchmarks/results/
     module: str  # the benchmark module (benchmarks/MODULE.py) that renders it
     function: str = "markdown"
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.source,) if isinstance(self.source, str) else tuple(self.source)
+
     def render(self, doc_dir: Path) -> str:
-        """The block for a doc in ``doc_dir`` (its source link is relative to it)."""
-        path = RESULTS / self.source
-        if not path.is_file():
-            raise UncitableResult(f"{path.relative_to(REPO)} does not exist: run its "
-                                  f"benchmark (benchmarks/{self.module}.py) and commit it")
-        report = json.loads(path.read_text())
+        """The block for a doc in ``doc_dir`` (its source links are relative to it)."""
+        reports = {}
+        for source in self.sources:
+            path = RESULTS / source
+            if not path.is_file():
+                raise UncitableResult(f"{path.relative_to(REPO)} does not exist: run its "
+                                      f"benchmark and commit it")
+            reports[source] = json.loads(path.read_text())
         body: Callable[[dict], str] = getattr(_module(self.module), self.function)
-        return f"{body(report).rstrip()}\n\n{source_line(path, report, doc_dir)}\n"
+        lines = [source_line(RESULTS / s, r, doc_dir) for s, r in reports.items()]
+        if isinstance(self.source, str):
+            return f"{body(reports[self.source]).rstrip()}\n\n{lines[0]}\n"
+        return body(reports).rstrip() + "\n\n" + "".join(f"- {line}\n" for line in lines)
 
 
 def _module(name: str):
