@@ -93,7 +93,7 @@ def summarize(records: list[dict]) -> dict:
                                  for r in records)}
 
 
-def table(report: dict) -> str:
+def markdown(report: dict) -> str:
     rows = ["| variant | updates | s / update | rollout s | train s | push s | updates / h | "
             "trainer waits | engines idle |", "|---|---|---|---|---|---|---|---|---|"]
     for name, v in report["variants"].items():
@@ -142,7 +142,7 @@ def main(argv=None) -> None:
                  f"variant in turns, each run's first update left out; measured by "
                  f"benchmarks/async_rollouts.py."}
     if args.save:
-        save(args.save, report, table(report))
+        save(args.save, report, markdown(report))
     print(json.dumps(report))
 
 

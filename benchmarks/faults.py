@@ -145,7 +145,7 @@ def _measure(name: str, job: Launch, run: Path, reference: Path,
     return out
 
 
-def _table(report: dict) -> str:
+def markdown(report: dict) -> str:
     head = ("| case | fault | completed | updates lost | checkpoints refused | saves dropped "
             "| mismatches | resumes | engine restarts | orphans | leaked shm | wall s |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
@@ -232,7 +232,7 @@ def main() -> None:
     report = {"command": "benchmarks/faults.py" + (f" --only {args.only}" if args.only else ""),
               "cases": results, "summary": summary,
               "torch": torch.__version__, "device": "cpu"}
-    print(f"[faults] table: {save('faults', report, _table(report), args.out)}", flush=True)
+    print(f"[faults] table: {save('faults', report, markdown(report), args.out)}", flush=True)
     print(json.dumps(report))
     shutil.rmtree(tmp, ignore_errors=True)
 

@@ -55,16 +55,21 @@ def main(argv=None) -> None:
                               capture_output=True, text=True, check=True)
         measured = json.loads(proc.stdout.strip().splitlines()[-1])
     gibs = [float(g) for g in args.gpu_gib.split(",")]
-    report = {"benchmark": "memory_plan", "gpu_gib": gibs, "validation": validate(measured),
-              "projection": project(gibs), "engine_placements": placements(gibs)}
+    report = {"benchmark": "memory_plan", "gpu_gib": gibs,
+              "measured": {"source": args.measured or "benchmarks/memory.py, run now",
+                           "shape": measured["shape"], "device": measured["device"],
+                           "provenance": measured.get("provenance")},
+              "validation": validate(measured), "projection": project(gibs),
+              "engine_placements": placements(gibs)}
     if args.save:
-        save("memory_plan", report, table(report, measured))
+        save("memory_plan", report, markdown(report))
     print(json.dumps(report))
 
 
-def table(report: dict, measured: dict) -> str:
+def markdown(report: dict) -> str:
     """Markdown: the validation, then per projected model the busiest rank's peak (GiB) per
     layout and method, marked where it fits 90% of each GPU size."""
+    measured = report["measured"]
     lines = [f"Validation against `benchmarks/memory.py` ({measured['shape']} shape, "
              f"{measured['device'].upper()}), busiest rank:", "",
              "| layout and method | model state: predicted / measured (MiB) | error | "

@@ -109,7 +109,7 @@ def main(argv=None) -> None:
               "ranks": ranks, "modes": modes, "runs": runs, "step_time_ratio": ratios,
               "ratio_targets": {str(k): v for k, v in TARGETS.items()}, "target_met": met}
     if args.save:
-        save(args.save, report, table(report))
+        save(args.save, report, markdown(report))
     print(json.dumps(report))
 
 
@@ -117,7 +117,7 @@ PHASES = ("forward_backward", "sketch_reduce", "row_adam", "low_rank_apply", "pr
           "optimizer_other")
 
 
-def table(report: dict) -> str:
+def markdown(report: dict) -> str:
     """Markdown: each LoGRA variant against the dense Adam steps of its pair, with phases."""
     head = ("| LoGRA | dense Adam (s) | LoGRA (s) | ratio | target | "
             + " | ".join(PHASES) + " |")

@@ -139,11 +139,11 @@ def main(argv=None) -> None:
               "settings": {s: setting_report(s) for s in PAPER_UPDATES_PER_H},
               "sensitivity": sensitivity()}
     if args.save:
-        save("throughput_model", report, table(report))
+        save("throughput_model", report, markdown(report))
     print(json.dumps(report))
 
 
-def table(report: dict) -> str:
+def markdown(report: dict) -> str:
     """Markdown: every mode's best layout per setting, then the sensitivity of the best."""
     lines = ["**A model, not a measurement** (`megatron_logra/rollout/throughput_model.py`; "
              "inputs and sources in `docs/throughput-model.md`). 8 GPUs (H100 80 GB assumed), "
