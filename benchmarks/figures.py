@@ -257,6 +257,68 @@ def sketch_cosines(model: str, seed: int = 1) -> dict:
     return out
 
 
+# --- tables (docs/results.md renders them from sketch_cosines.json) ---------------------
+MODEL_NAMES = {"smollm2": "SmolLM2", "tiny": "tiny"}
+
+
+def _width(d: dict) -> int:
+    """The model's hidden size: the narrowest input of layer 0's sketched weights."""
+    return min(d["layers"]["0"]["width"].values())
+
+
+def _layer_mean(d: dict, rank: int, value) -> float:
+    return sum(value(layer[f"r{rank}"]) for layer in d["layers"].values()) / len(d["layers"])
+
+
+def sketch_table(report: dict) -> str:
+    """Markdown: Figures 5(b) and 5(c) as numbers (mean over layers), then what holds in
+    every layer: refreshed A above fixed A, and Rademacher against Gaussian per layer."""
+    models = report["models"]
+    lines = ["| model (layer width) | r | one update | accumulated, fixed A | accumulated, "
+             "refreshed A (LoGRA) | refreshed, Gaussian A |", "|---|---|---|---|---|---|"]
+    for m, d in models.items():
+        for r in d["ranks"]:
+            acc = lambda v: _layer_mean(d, r, lambda x: x["accumulated"][v])  # noqa: E731
+            one = _layer_mean(d, r, lambda x: x["single"]["refreshed-rademacher"])
+            lines.append(f"| {MODEL_NAMES.get(m, m)} ({_width(d)}) | {r} | {one:.3f} | "
+                         f"{acc('fixed-rademacher'):.3f} | {acc('refreshed-rademacher'):.3f} | "
+                         f"{acc('refreshed-gaussian'):.3f} |")
+    notes = []
+    for m, d in models.items():
+        layers = d["layers"].values()
+        above = all(layer[f"r{r}"]["accumulated"]["refreshed-rademacher"]
+                    > layer[f"r{r}"]["accumulated"]["fixed-rademacher"]
+                    for layer in layers for r in d["ranks"])
+        gap = lambda x: abs(x["accumulated"]["refreshed-rademacher"]  # noqa: E731
+                            - x["accumulated"]["refreshed-gaussian"])
+        mean_gap = max(abs(_layer_mean(d, r, lambda x: x["accumulated"]["refreshed-rademacher"])
+                           - _layer_mean(d, r, lambda x: x["accumulated"]["refreshed-gaussian"]))
+                       for r in d["ranks"])
+        layer_gap = max(gap(layer[f"r{r}"]) for layer in layers for r in d["ranks"])
+        notes.append(f"- {MODEL_NAMES.get(m, m)} ({len(d['layers'])} layers, {d['updates']} "
+                     f"updates): refreshed A above fixed A in every layer at every rank: "
+                     f"{'yes' if above else 'no'}; Rademacher against Gaussian (accumulated), "
+                     f"largest difference of the layer means {mean_gap:.3f}, of a single layer "
+                     f"{layer_gap:.3f}.")
+    return ("\n".join(lines) + "\n\nMean over layers of cos(reconstruction, true gradient); "
+            "accumulated: cos(sum_t G_t A_t^T A_t, sum_t G_t) over the updates.\n\n"
+            + "\n".join(notes) + "\n")
+
+
+def update_cosine_table(report: dict) -> str:
+    """Markdown: cos(LoGRA's update, dense Adam's) per model and rank, with the rank as a
+    share of the width, against RowAdam without a sketch (mean over layers and updates)."""
+    lines = ["| model (layer width) | r | r / width | cos(LoGRA, dense Adam) | unsketched "
+             "RowAdam vs dense Adam |", "|---|---|---|---|---|"]
+    for m, d in report["models"].items():
+        for r in d["ranks"]:
+            lines.append(f"| {MODEL_NAMES.get(m, m)} ({_width(d)}) | {r} | "
+                         f"{r / _width(d):.3g} | "
+                         f"{_layer_mean(d, r, lambda x: x['update_cosine']):.3f} | "
+                         f"{_layer_mean(d, r, lambda x: x['update_cosine_unsketched']):.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 # --- draw ----------------------------------------------------------------------------------
 def _heatmaps(data: dict, pairs: list[tuple[str, str, str]], title: str, path: Path) -> None:
     """Rows: layers; columns: ranks; one shared colour scale over every panel."""
