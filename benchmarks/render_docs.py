@@ -97,9 +97,29 @@ def source_line(path: Path, report: dict, doc_dir: Path | None = None) -> str:
             f"`{prov['command']}`, {where}, {versions}, {prov['date'][:10]}.</sub>")
 
 
+# the results files the summary tables read (benchmarks/summary.py names them)
+SUMMARY_SOURCES: tuple[str, ...] = _module("summary").SOURCES
 # name -> the block: every table the docs show from a benchmark's results
 BLOCKS: dict[str, Block] = {
     "quality": Block("quality.json", "quality"),
+    # docs/results.md's Summary and the README's Results: rows from several benchmarks
+    "summary": Block(SUMMARY_SOURCES, "summary", "docs_summary"),
+    "readme_results": Block(SUMMARY_SOURCES, "summary", "readme_results"),
+    "convert": Block("convert.json", "convert"),
+    "memory": Block("memory.json", "memory"),
+    "memory_plan_validation": Block("memory_plan.json", "memory_plan", "validation_summary"),
+    "memory_plan_27b": Block("memory_plan.json", "memory_plan", "projection_table"),
+    "step_time": Block("step_time.json", "step_time"),
+    "step_time_embedding_adam": Block("step_time_embedding_adam.json", "step_time"),
+    "sync": Block("sync.json", "sync"),
+    "weight_push": Block("weight_push.json", "weight_push"),
+    "learning": Block("learning.json", "learning"),
+    "faults": Block("faults.json", "faults"),
+    "async_rollouts": Block("async_rollouts.json", "async_rollouts"),
+    "throughput_model": Block("throughput_model.json", "throughput_model", "modes_table"),
+    "task_signal": Block("task_signal.json", "task_signal"),
+    "sketch_cosines": Block("figures/sketch_cosines.json", "figures", "sketch_table"),
+    "update_cosine": Block("figures/sketch_cosines.json", "figures", "update_cosine_table"),
 }
 
 
