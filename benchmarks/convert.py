@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/convert.py [--work-dir DIR] [--save]
 
 Each measurement runs in a fresh subprocess: after its imports it records the
-resident set (the interpreter + torch + megatron baseline), runs one job, and
-reports the peak RSS (``ru_maxrss``) minus that baseline. Side by side:
+resident set (the interpreter + torch + megatron baseline), resets the kernel's peak to
+it, runs one job, and reports the peak RSS (``VmHWM``) minus that baseline. Not
+``ru_maxrss``: a child started by vfork + exec inherits its parent's peak there (this
+script's own peak, a GB when it has just converted the GGUF). Side by side:
 
 * ``hf_to_megatron``: the HF folder (fp32) -> megatron torch_dist checkpoint, fp32.
 * ``megatron_to_hf``: that checkpoint -> HF safetensors, bf16, 64 MiB shards.
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -36,9 +37,25 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _rss_bytes() -> int:
-    import psutil
+    return _status_bytes("VmRSS")
 
-    return psutil.Process().memory_info().rss
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"no {field} in /proc/self/status: this benchmark needs Linux")
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak RSS since the last reset (VmHWM: per address space, so not the
+    parent's, unlike ru_maxrss after vfork + exec)."""
+    return _status_bytes("VmHWM")
+
+
+def _reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets VmHWM to the current RSS."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def _child(job: str, src: str, out: str) -> None:
@@ -51,6 +68,7 @@ def _child(job: str, src: str, out: str) -> None:
 
     _init_single_process()
     baseline = _rss_bytes()
+    _reset_peak_rss()
     start = time.perf_counter()
     if job == "hf_to_megatron":
         hf_to_megatron(src, out, dtype=torch.float32, log=lambda msg: None)
@@ -64,7 +82,7 @@ def _child(job: str, src: str, out: str) -> None:
     else:
         raise SystemExit(f"unknown job {job!r}")
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = _peak_rss_bytes()
     print(json.dumps({"seconds": round(seconds, 3), "baseline_rss_bytes": baseline,
                       "peak_rss_over_baseline_bytes": max(0, peak - baseline)}))
 
