@@ -14,7 +14,7 @@ from collections.abc import Callable
 SOURCES = ("memory.json", "memory_plan.json", "step_time.json",
            "step_time_embedding_adam.json", "convert.json", "sync.json", "weight_push.json",
            "learning.json", "faults.json", "async_rollouts.json", "throughput_model.json",
-           "figures/sketch_cosines.json")
+           "figures/sketch_cosines.json", "task_signal.json")
 Row = tuple[str, str, str]
 
 
@@ -139,6 +139,16 @@ def _async(r: dict) -> list[Row]:
              "rollouts-at-node-scale-replicas-and-generation-beside-training")]
 
 
+def _task_signal(r: dict) -> list[Row]:
+    t = r["task_signal.json"]
+    tasks = t["tasks"]
+    some = [name for name, v in tasks.items() if v["prompts_with_a_correct"] > 0]
+    return [("SmolLM2-135M-Instruct out of the box, reasoning-gym tasks, temperature 1",
+             f"{len(tasks) - len(some)} of {len(tasks)} tasks with no correct sample in "
+             f"{t['prompts']} x {t['samples']}" + (f" (some: {', '.join(some)})" if some else ""),
+             "which-task-gives-smollm2-a-learning-signal-benchmarkstask_signalpy")]
+
+
 def _sketches(r: dict) -> list[Row]:
     models = r["figures/sketch_cosines.json"]["models"]
     d = models["smollm2"]
@@ -154,8 +164,8 @@ def _sketches(r: dict) -> list[Row]:
 
 # in order; the quality comparison's row is benchmarks/quality.py's (issue 48's rerun)
 ROWS: list[Callable[[dict], list[Row]]] = [_memory, _memory_plan, _step_time, _convert,
-                                           _sync, _weight_push, _learning, _async, _sketches,
-                                           _faults]
+                                           _sync, _weight_push, _task_signal, _learning,
+                                           _async, _sketches, _faults]
 
 
 def _rows(reports: dict) -> list[Row]:
