@@ -6,8 +6,9 @@ lacks (``requirements/gpu-check.txt``) as wheels into ``.whl/``:
 
     make gpu-wheels
 
-On the GPU machine (one H100 or H200; its own python3 with torch, no vLLM, no internet;
-``.whl/`` carried along), in under 8 minutes:
+On the GPU machine (one H100 or H200; its own python3 with torch and
+``MACHINE_PACKAGES``, no vLLM, no internet; ``.whl/`` carried along; estimated at 3-8
+minutes, not yet measured on a GPU):
 
     make gpu-check GPU_CHECK_OUT=runs/gpu-check
 
@@ -69,6 +70,11 @@ from step_time import _median_phases
 
 SEED = 1234
 PARTS = ("device", "trainer", "memory")
+# What the GPU machine's own python3 must have: `make gpu-check` adds only .whl/'s wheels
+# (megatron-core). Found by running --cpu, all three parts, with every other non-stdlib
+# package made unimportable: megatron-core imports tqdm, psutil (its checkpoint writer)
+# and torch.utils.cpp_extension (setuptools).
+MACHINE_PACKAGES = ("torch", "numpy", "packaging", "setuptools", "tqdm", "psutil")
 KL_TOLERANCE = 0.1  # |realized - predicted| <= 10% of predicted
 
 
@@ -588,12 +594,24 @@ def run_part(label: str, out: Path, fn) -> dict:
     return report
 
 
+def missing_packages(names=MACHINE_PACKAGES) -> list[str]:
+    """Those of ``names`` this Python cannot import."""
+    import importlib.util
+
+    return [name for name in names if importlib.util.find_spec(name) is None]
+
+
 def select_device(cpu: bool) -> str:
     """cpu under --cpu; else CUDA, which must be there (deterministic cuBLAS workspace set
-    before its first use, for part 2)."""
+    before its first use, for part 2), with ``MACHINE_PACKAGES``."""
     os.environ["MEGATRON_LOGRA_DEVICE"] = "cpu" if cpu else "cuda"
     if cpu:
         return "cpu"
+    missing = missing_packages()
+    if missing:
+        raise SystemExit(f"gpu_check: this python3 lacks {', '.join(missing)}: install them "
+                         f"on the GPU machine, or add them to requirements/gpu-check.txt and "
+                         f"bring their wheels (make gpu-wheels)")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
