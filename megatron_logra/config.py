@@ -137,6 +137,12 @@ class TrainingConfig:
     """Stop the run after this many updates in a row were skipped for a non-finite loss,
     sketch or gradient (each skip leaves weights and optimizer state untouched; 0: never
     stop)."""
+    distributed_timeout_minutes: int = field(default=60, metadata=_POSITIVE)
+    """How long a collective of the default process group waits for the other ranks
+    (Megatron-LM's flag): the others wait this long while rank 0 alone starts a rollout
+    engine or generates an evaluation. The default is above the engine's own bounds (a
+    start 10 min, one request 30 min), so those fire first; raise it where one phase on
+    rank 0 takes longer."""
     log_adam_cosine: bool = False
     """RL: log, every update, the cosine between the update applied to the layers' linear
     weights and the step dense Adam would take from the same gradients (a shadow Adam;

@@ -30,7 +30,7 @@ from megatron_logra.rl import rollouts
 from megatron_logra.rl.policy_loss import RolloutSample
 from megatron_logra.rl.verifiers import Verifier, VerifierConfig
 from megatron_logra.rollout.engine_link import EngineLink
-from megatron_logra.rollout.engine_memory import shared_gpu_utilization_measured
+from megatron_logra.rollout.engine_memory import shared_gpu_sizer
 from megatron_logra.rollout.placement import EnginePlacement, plan_placement, split_replicas
 from megatron_logra.rollout.types import EngineConfig
 from megatron_logra.runtime.collectives import from_rank0
@@ -65,12 +65,12 @@ class RolloutSource:
                                   group_backend="gloo" if self.placement.shares_trainer_gpus
                                   else None)
         self.baseline = adv.RunningBaseline(rl.baseline_decay)
-        self.engine_gpu_utilization = shared_gpu_utilization_measured(rl, objs.arch,
-                                                                      self.placement)
         self.driver = self._start_driver_everywhere()
         self.link = EngineLink(self.weights, self.driver.engine_cfgs if self.driver else None,
                                sleep_mode=self.placement.sleep_mode,
-                               replicas=rl.rollout_replicas)
+                               replicas=rl.rollout_replicas,
+                               sizer=shared_gpu_sizer(rl, objs.arch, self.placement,
+                                                      self.replica_placements))
 
     @property
     def engine(self):
@@ -114,7 +114,7 @@ class RolloutSource:
                 remote_engine=bool(rl.rollout_engine_url), replicas=rl.rollout_replicas)
             self.replica_placements = split_replicas(
                 whole, rl.rollout_replicas, rl.rollout_tensor_parallel_size, cuda=cuda,
-                node_devices=node_devices())
+                node_devices=node_devices(), visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
             return whole
         placement = from_rank0(plan)
         if placement.trainer_cores and os.environ.get("GROUP_RANK", "0") == "0":
@@ -156,7 +156,6 @@ class RolloutSource:
             tensor_parallel_size=rl.rollout_tensor_parallel_size, seed=rl.rollout_seed,
             lora_rank=self.weights.engine_lora_rank, env=tuple(placed.env.items()),
             cpu_cores=placed.engine_cores, sleep_mode=placed.sleep_mode,
-            gpu_memory_utilization=self.engine_gpu_utilization,
             url=rl.rollout_engine_url, replica=replica)
             for replica, placed in enumerate(self.replica_placements)]
         print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",

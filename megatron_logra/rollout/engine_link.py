@@ -9,6 +9,11 @@ the trainer's weights:
   the other (each has its own weight group). The very first push starts (or connects to)
   the servers, which run on dummy weights until it brings the trainer's. A failed push
   restarts that engine alone and pushes to it again (three tries); the others go on.
+- a server started here is (re)started only at a push, where every rank takes part: an
+  engine on GPUs the trainer shares is sized just before from what those GPUs have free
+  then (``sizer``: ``rollout.engine_memory``), since the trainer's state and cached
+  blocks grow after the first start; a failure ends the server (``VllmServer.halt``) and
+  the next push starts it again.
 - ``generate(requests, version)``: completions from the engines serving ``version``
   (rank 0; None elsewhere): the requests in ``replicas`` contiguous parts, one per
   engine, generated at the same time and returned in order; a failure restarts the
@@ -23,13 +28,14 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
 
 from megatron_logra.rollout.types import Completion, EngineConfig, EngineError, SampleRequest
 from megatron_logra.rollout.vllm_server import VllmServer
-from megatron_logra.runtime.collectives import from_rank0, rank0_value
+from megatron_logra.runtime.collectives import barrier, from_rank0, rank0_value
 from megatron_logra.runtime.device import current_device, release_cached_memory
 from megatron_logra.runtime.progress import Progress
 from megatron_logra.weight_sync.sync import SyncStats, WeightSync
@@ -57,14 +63,16 @@ def split_evenly(items: list, parts: int) -> list[list]:
 
 class EngineLink:
     def __init__(self, sync: WeightSync, engine_cfgs: list[EngineConfig] | None,
-                 sleep_mode: bool = False, replicas: int = 1):
+                 sleep_mode: bool = False, replicas: int = 1, sizer=None):
         """``engine_cfgs``: rank 0's settings of each engine (None on every other rank): a
         server at its ``url``, or one started here from its ``model_dir`` (config and
         tokenizer; the first push brings the weights). ``replicas`` (every rank): how many.
         ``sleep_mode`` (every rank): the engines are colocated and take turns
-        (``release``; pushes and generation wake them)."""
+        (``release``; pushes and generation wake them). ``sizer`` (every rank; None: the
+        configs' memory fraction): ``sizer(replicas)`` -> {replica: vLLM's
+        ``gpu_memory_utilization``}, collective (``engine_memory.SharedGpuSizer``)."""
         self.sync, self.engine_cfgs, self.sleep_mode = sync, engine_cfgs, sleep_mode
-        self.replicas = replicas
+        self.replicas, self.sizer = replicas, sizer
         self.rank = dist.get_rank()
         self.engines: list[VllmServer | None] = [None] * replicas  # rank 0, from the 1st push
         self.asleep: list[set[str]] = [set() for _ in range(replicas)]  # rank 0, colocated
@@ -83,8 +91,8 @@ class EngineLink:
     def push(self, version: int, transport: str | None = None) -> None:
         """Push the trainer's weights as ``version`` into every engine; restart an engine
         and push to it again on failure. ``transport`` forces one (tests, benchmarks)."""
-        if self.pool is not None and None in self.engines:  # start them all at once
-            list(self.pool.map(self._start_here, range(self.replicas)))
+        if self.replicas > 1:  # start the ones not running all at once
+            self._start_engines(list(range(self.replicas)))
         for replica in range(self.replicas):
             self.push_to(replica, version, transport)
 
@@ -110,20 +118,55 @@ class EngineLink:
 
     def _push_once(self, replica: int, version: int, transport: str | None) -> tuple[str, int]:
         """(failure message or "", bytes sent)."""
-        failed = from_rank0(lambda: self._start_here(replica))
+        failed = self._start_engines([replica])[replica]
         if failed:
             return failed, 0
         result = self.sync.push(self.engines[replica], version, transport)
         return result.failed, result.sent
 
-    def _start_here(self, replica: int) -> str:
-        """Rank 0 connects to engine ``replica``, starting it if it is ours and not running;
-        the failure, or "" (several engines start at once, each in a thread of ``pool``;
-        one that failed is started again by its push)."""
-        if self.engines[replica] is not None:
+    def _start_engines(self, replicas: list[int]) -> dict[int, str]:
+        """Collective. Rank 0 starts (or connects to) those of ``replicas`` that are not
+        running, at the same time (each in a thread of ``pool``), each sized by ``sizer``
+        first (every rank takes part; a start that cannot fit is refused on every rank):
+        {replica: its failure, or ""} on every rank (one that failed is started again by
+        its push)."""
+        down = rank0_value([r for r in replicas if self._needs_start(r)]
+                           if self.rank == 0 else None)
+        if not down:
+            return {r: "" for r in replicas}
+        sizes = self.sizer(down) if self.sizer is not None else {}
+
+        def start() -> dict[int, str]:  # rank 0
+            if self.pool is not None and len(down) > 1:
+                return dict(zip(down, self.pool.map(
+                    lambda r: self._start_here(r, sizes.get(r)), down)))
+            return {r: self._start_here(r, sizes.get(r)) for r in down}
+        failed = from_rank0(start)
+        return {r: failed.get(r, "") for r in replicas}
+
+    def _needs_start(self, replica: int) -> bool:
+        """Rank 0: engine ``replica`` was never started, or was ended by a failure."""
+        engine = self.engines[replica]
+        return engine is None or engine.down
+
+    def _start_here(self, replica: int, utilization: float | None = None) -> str:
+        """Rank 0 connects to engine ``replica``, starting it (again) if it is ours and not
+        running, with vLLM's memory fraction ``utilization`` (None: the config's); the
+        failure, or ""."""
+        engine = self.engines[replica]
+        if engine is not None and not engine.down:
             return ""
         cfg = self.engine_cfgs[replica]
+        if utilization is not None:
+            cfg = replace(cfg, gpu_memory_utilization=utilization)
+        asked = "" if utilization is None else f", {utilization:.3f} of its GPUs' memory"
+        which = f" {replica}" if self.replicas > 1 else ""
         try:
+            if engine is not None:  # ours, ended by a failure: a fresh server in its place
+                engine.start_again(utilization)
+                print(f"rollout engine{which}: vLLM's server restarted in "
+                      f"{engine.startup_s:.1f}s{asked}", flush=True)
+                return ""
             if cfg.url:  # a server the user runs: connect, the first push is full
                 engine = VllmServer(cfg.url, cfg.request_timeout_s, cfg.startup_timeout_s,
                                     adapter_root=self._adapter_root(cfg))
@@ -135,10 +178,9 @@ class EngineLink:
                 engine = VllmServer.local(cfg, Path(cfg.model_dir).parent / log,
                                           cuda=current_device().type == "cuda",
                                           adapter_root=self._adapter_root(cfg))
-                which = f" {replica}" if self.replicas > 1 else ""
                 print(f"rollout engine{which}: vLLM's server up in {engine.startup_s:.1f}s at "
                       f"{engine.url} (vLLM {cfg.dtype}, TP{cfg.tensor_parallel_size}, dummy "
-                      f"weights until the first push)", flush=True)
+                      f"weights until the first push{asked})", flush=True)
         except EngineError as exc:
             return f"engine start-up: {exc}"
         self.engines[replica] = engine
@@ -155,28 +197,32 @@ class EngineLink:
 
     # --- colocated (engines started with sleep_mode) ---------------------------------------
     def release(self) -> None:
-        """The trainer's turn: colocated engines release their weights and KV cache (rank 0;
-        nothing for other placements). A failure restarts the engine (the next push
-        resyncs it)."""
-        if self.rank != 0 or not self.sleep_mode:
+        """Collective. The trainer's turn: colocated engines release their weights and KV
+        cache (rank 0), and no rank goes on before they have (nothing for other
+        placements). A failure ends the engine (the next push starts and resyncs it)."""
+        if not self.sleep_mode:
             return
-        for replica, engine in enumerate(self.engines):
-            if engine is None:
-                continue
-            try:
-                engine.sleep()
-                self.asleep[replica] = {"weights", "kv_cache"}
-            except EngineError as exc:
-                print(f"{self._name(replica)} sleep failed ({exc}); restarting the "
-                      f"engine", flush=True)
-                self._restart(replica)
+        if self.rank == 0:
+            for replica, engine in enumerate(self.engines):
+                if engine is None or engine.down:
+                    continue
+                try:
+                    engine.sleep()
+                    self.asleep[replica] = {"weights", "kv_cache"}
+                except EngineError as exc:
+                    print(f"{self._name(replica)} sleep failed ({exc}); restarting the "
+                          f"engine", flush=True)
+                    self._restart(replica)
+        barrier()  # the others train only once the engines have let go of the GPUs
 
     def _wake(self, replica: int, tags: list[str]) -> None:
-        """Every rank frees its cached device memory, then rank 0's engine ``replica`` takes
-        back ``tags`` (released by ``release``); a failure restarts it (awake)."""
+        """Collective. Every rank frees its cached device memory, and once all have, rank
+        0's engine ``replica`` takes back ``tags`` (released by ``release``); a failure
+        ends it (the push that follows starts it again)."""
         if not self.sleep_mode:
             return
         release_cached_memory()
+        barrier()  # the engine takes its memory only after every rank gave its cache back
         wanted = [t for t in tags if t in self.asleep[replica]]
         if self.rank != 0 or not wanted:
             return
@@ -189,15 +235,21 @@ class EngineLink:
             self._restart(replica)
 
     def _restart(self, replica: int) -> None:
+        """Rank 0, after a failure of engine ``replica``: a server started here ends now and
+        the next push starts it again (``_start_engines``: sized then, with every rank);
+        one the user runs is waited for and rejoined at the next push."""
         self.asleep[replica] = set()  # a fresh engine starts awake
         engine = self.engines[replica]
-        if engine is None:  # it never started: the next push starts it
+        if engine is None or engine.down:  # not running: the next push starts it
             return
         self.stats.restarts += 1
+        if engine.owner is not None:
+            engine.halt()
+            return
         try:
             engine.restart()
-        except EngineError as exc:  # the next push starts a fresh one from current weights
-            print(f"{self._name(replica)} restart failed ({exc}); starting anew at the "
+        except EngineError as exc:  # the next push connects afresh
+            print(f"{self._name(replica)} restart failed ({exc}); connecting anew at the "
                   f"next push", flush=True)
             self.engines[replica] = None
 
@@ -236,7 +288,7 @@ class EngineLink:
 
             def one(replica: int) -> list[Completion]:
                 engine = self.engines[replica]
-                if engine is None:
+                if engine is None or engine.down:
                     raise EngineError(f"engine {replica} is not running")
 
                 def on_progress(n, _, note):

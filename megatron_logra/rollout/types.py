@@ -64,7 +64,8 @@ class EngineConfig:
     cpu_cores: tuple[int, ...] = ()  # CPU, dedicated: the only cores the server runs on
     sleep_mode: bool = False  # CUDA, colocated: release weights and KV cache between turns
     # CUDA, on the trainer's GPUs (inherit, colocated): vLLM's start-up memory fraction,
-    # sized from what the trainer left free (``engine_memory``); None: vLLM's default
+    # sized from what the trainer left free, measured before each start (set then by
+    # ``engine_link``, ``engine_memory.SharedGpuSizer``); None: vLLM's default
     gpu_memory_utilization: float | None = None
     url: str = ""  # a running vLLM server (``--rollout-engine-url``): not started here
     replica: int = 0  # which of --rollout-replicas engines (its log, adapters, weight group)

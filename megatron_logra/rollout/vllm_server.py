@@ -34,7 +34,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from megatron_logra.rollout.types import (Completion, EngineError, PushInFlight, PushRefused,
@@ -65,6 +65,7 @@ class VllmServer:
         self.replica = replica
         self.start_id = 0  # which server (and group) this is: a restart makes a fresh one
         self.restarts = 0
+        self.down = False  # a server started here, ended by ``halt``: ``start_again`` it
         self._call: threading.Thread | None = None
         self._call_result: list = []
         self._update: dict = {}  # the push ``expect`` opened (its kind and version)
@@ -338,15 +339,16 @@ class VllmServer:
 
     # --- life cycle ------------------------------------------------------------------------
     def restart(self) -> None:
-        """A server started here: a fresh one (on dummy weights; the next push is full).
-        A server the user runs is not ours to restart: wait until it is healthy, close a
-        half-done update (vLLM refuses a new one while one is open) and join a fresh group
-        at the next push (full weights)."""
+        """A server started here: a fresh one (``halt``, then ``start_again``: on dummy
+        weights; the next push is full). A server the user runs is not ours to restart:
+        wait until it is healthy, close a half-done update (vLLM refuses a new one while
+        one is open) and join a fresh group at the next push (full weights)."""
+        if self.owner is not None:
+            self.halt()
+            self.start_again()
+            return
         self._call, self._update = None, {}
         self.restarts += 1
-        if self.owner is not None:
-            self._connect(self.owner.start())
-            return
         self._wait_healthy(self.timeout)
         unversioned = str(UNVERSIONED)  # half-applied weights: the next push must be full
         try:  # close an update the failure left open
@@ -355,6 +357,27 @@ class VllmServer:
             self._post("update_weight_version", {"new_version": unversioned})
         self._post("resume")
         self.start_id += 1
+
+    def halt(self) -> None:
+        """A server started here ends now (killed, as after a failure) and stays ``down``
+        until ``start_again`` (which the caller sizes: ``rollout.engine_memory``)."""
+        if self.owner is None:
+            raise EngineError(f"the vLLM server at {self.url} is not ours to stop")
+        self._call, self._update = None, {}
+        self.owner.kill()
+        self.down = True
+
+    def start_again(self, gpu_memory_utilization: float | None = None) -> None:
+        """A fresh server started here in place of the one before (its log, adapters and
+        start count go on), on dummy weights; ``gpu_memory_utilization``: vLLM's start-up
+        memory fraction for it, measured now (None: the config's)."""
+        if gpu_memory_utilization is not None:
+            self.owner.cfg = replace(self.owner.cfg, gpu_memory_utilization=gpu_memory_utilization)
+        self._call, self._update = None, {}
+        self.restarts += 1
+        self.down = True  # until it answers
+        self._connect(self.owner.start())
+        self.down = False
 
     def kill_for_test(self) -> None:
         """The server dies at once, as in a crash (tests; a server started here)."""

@@ -91,7 +91,7 @@ def layer_impl(cfg: RunConfig, announce: bool = False) -> str:
 def prepare_training(cfg: RunConfig) -> Prepared:
     """Runtime + parallel groups, model + optimizer, then --load (HF weights, or a checkpoint
     to resume or to finetune from); writes config.json. Shared by the SFT and RL stages."""
-    rt = init_runtime()
+    rt = init_runtime(cfg.training.distributed_timeout_minutes)
     parallel.initialize(cfg.parallel, rt.world_size, cfg.training.seed)
     is_logger = rt.rank == 0
     arch = load_arch(cfg.model.model_dir)

@@ -56,7 +56,7 @@ class SFTStage:
 
 
 def run_sft(cfg: RunConfig) -> RunResult:
-    init_runtime()
+    init_runtime(cfg.training.distributed_timeout_minutes)
     # the data first: a setting that leaves nothing to train on fails before the model is built
     batches = build_sft_batches(cfg, load_tokenizer(cfg.model.model_dir,
                                                     cfg.model.tokenizer_model))

@@ -37,7 +37,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine,
                                                    WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from megatron_logra.weight_sync.p2p import GroupAddress, join_group
+from megatron_logra.weight_sync.p2p import GroupAddress, join_group, message_device
 from megatron_logra.runtime import versions
 from megatron_logra.weight_sync.vllm_plugin import BACKEND  # noqa: F401 (its name)
 from megatron_logra.weight_sync.worker_shards import WorkerShards
@@ -90,8 +90,9 @@ class MlograWeightTransferEngine(WeightTransferEngine[MlograInitInfo, MlograUpda
         self.group = None
 
     def init_transfer_engine(self, init_info: MlograInitInfo) -> None:
-        """Join the trainer's group (blocks until every member joined); a fresh group
-        replaces the one before (the trainer side restarted)."""
+        """Join the trainer's group (blocks until every member joined; a NCCL group whose
+        members share a GPU is gloo, ``p2p.join_group``); a fresh group replaces the one
+        before (the trainer side restarted)."""
         if init_info.workers != self.shards.tp:
             raise ValueError(f"mlogra init_info: the trainer expects {init_info.workers} "
                              f"workers; this server has TP {self.shards.tp}")
@@ -111,7 +112,8 @@ class MlograWeightTransferEngine(WeightTransferEngine[MlograInitInfo, MlograUpda
         def after_first_round() -> None:
             if update_info.kind == "full":
                 engine_fault("engine-full-push", update_info.version, self.engine_start)
-        self.shards.receive(self.group, self.address, update_info.rounds, after_first_round)
+        self.shards.receive(self.group, self.address, update_info.rounds,
+                            message_device(self.group, self.shards.device), after_first_round)
         if update_info.kind != "full":
             engine_fault("engine-delta-push", update_info.version, self.engine_start)
 

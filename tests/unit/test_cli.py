@@ -50,7 +50,8 @@ EXPECTED_FLAGS = {
     "--grpo-std-norm", "--no-grpo-std-norm", "--dynamic-sampling",
     "--dynamic-sampling-max-rounds", "--save-keep", "--auto-resume",
     "--max-skipped-updates", "--rollout-replicas", "--async-rollouts", "--max-staleness",
-    "--max-staleness-kl", "--stale-samples", "--log-adam-cosine",
+    "--max-staleness-kl", "--stale-samples", "--distributed-timeout-minutes",
+    "--log-adam-cosine",
 }
 
 
