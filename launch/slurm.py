@@ -3,7 +3,7 @@
 The trainer's flags (a recipe and what the command line adds) are checked at the job's
 world size before anything is written; the job's script (``megatron_logra.slurm``: its
 header comments say how it runs) goes to RUN_DIR/job.sbatch and is submitted with
-``sbatch``, or printed with ``--print``:
+``sbatch``, or printed with ``--print`` (``megatron_logra/slurm/cli.py``):
 
     # 2 trainer nodes x 8 GPUs and 1 engine node: print the script, submit nothing
     python launch/slurm.py --trainer-nodes 2 --engine-nodes 1 --gpus-per-node 8 \\
@@ -19,66 +19,10 @@ Exit status 2 for a job refused (the message names the flag and the fix).
 
 from __future__ import annotations
 
-import argparse
-import subprocess
 import sys
 from pathlib import Path
 
-ENTRY = Path(__file__).resolve().parent / "pretrain_rl.py"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from megatron_logra.flags import add_flags
-    from megatron_logra.slurm.job import SlurmJobConfig
-
-    p = argparse.ArgumentParser(
-        prog="python launch/slurm.py", usage="%(prog)s [job flags] -- [trainer flags]",
-        description="Write a Slurm batch job (trainer nodes through srun + torchrun, engine "
-                    "nodes running vLLM's server) and submit it.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_flags(p, SlurmJobConfig, "the job")
-    p.add_argument("--print", action="store_true", dest="print_only",
-                   help="Print the script and submit nothing")
-    p.add_argument("--wait", action="store_true",
-                   help="Submit with sbatch --wait: return when the job ends, with its status")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    from megatron_logra.flags import FlagError, from_flags
-    from megatron_logra.slurm.job import SlurmJobConfig, SlurmJobError, plan_job
-    from megatron_logra.slurm.script import render
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        print("error: give the trainer's flags after --, e.g. python launch/slurm.py "
-              "--run-dir RUN -- --config RECIPE.yaml", file=sys.stderr)
-        return 2
-    cut = argv.index("--")
-    args = build_parser().parse_args(argv[:cut])
-    try:
-        plan = plan_job(from_flags(SlurmJobConfig, args), argv[cut + 1:], ENTRY)
-    except (SlurmJobError, FlagError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    for note in plan.notes:
-        print(f"note: {note}", file=sys.stderr)
-    script = render(plan)
-    if args.print_only:
-        print(script, end="")
-        return 0
-    plan.run_dir.mkdir(parents=True, exist_ok=True)
-    path = plan.run_dir / "job.sbatch"
-    path.write_text(script)
-    print(f"wrote {path}", flush=True)
-    cmd = ["sbatch", *(["--wait"] if args.wait else []), str(path)]
-    try:
-        return subprocess.run(cmd).returncode
-    except FileNotFoundError:
-        print("error: sbatch not found: submit the script from a Slurm login node (or run "
-              "scripts/slurm-single-node.sh for a one-host Slurm to try it)", file=sys.stderr)
-        return 2
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_logra.slurm.cli import main
+
+    sys.exit(main(entry=Path(__file__).resolve().parent / "pretrain_rl.py"))

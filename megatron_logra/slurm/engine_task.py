@@ -94,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = engine_config(args)
     server = LocalServer(cfg, "/dev/stdout", cuda=args.cuda, host="0.0.0.0", port=args.port)
 
-    def stop(signum, _frame):
+    def stop(signum, _frame):  # the job's end (or its cancellation): a clean stop
         print(f"--- signal {signum}: stopping the vLLM server ---", flush=True)
         server.stop()
-        sys.exit(128 + signum)
+        sys.exit(0)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     url = f"http://127.0.0.1:{args.port}"

@@ -37,7 +37,7 @@ class SlurmJobConfig:
     run_dir: str = ""
     """The run's folder, on a file system every node sees: the trainer's --output-dir
     (metrics.jsonl, config.json), its checkpoints (--save, unless the trainer's flags name
-    one), the job's log (slurm-JOBID.out), each engine's log (engine-NODE.log) and the
+    one), the job's log (slurm-JOBID.out), each engine's log (engine-HOST.log) and the
     script itself (job.sbatch). Required."""
     trainer_nodes: int = field(default=1, metadata=_AT_LEAST_1)
     """Nodes running the trainer: one torchrun agent each, meeting through the c10d

@@ -62,7 +62,7 @@ def _header(plan: JobPlan) -> list[str]:
         f"# - Outputs in {plan.run_dir}: metrics.jsonl and config.json (the trainer's",
         "#   --output-dir), checkpoints/ (unless the trainer's flags name --save),",
         "#   slurm-JOBID.out (this script and the trainer)"
-        + (", engine-NODE.log (each server)." if e else "."),
+        + (", engine-HOST.log (each server)." if e else "."),
         "# - The job's exit status is the trainer's" + (
             "; the engine tasks are then sent SIGTERM (each stops its server)." if e else "."),
     ]
@@ -104,7 +104,8 @@ $HEAD:$RDZV_PORT), engines $ENGINE_URLS\""""
 _STOP_ENGINES = """\
 stop_engines() {  # SIGTERM to the engine tasks (each stops its server), then their srun
     local step
-    step=$(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" 2>/dev/null | awk '$2 == "engines" {print $1}')
+    step=$(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" 2>/dev/null \\
+        | awk '$2 == "engines" {print $1}')
     if [[ -n $step ]]; then
         scancel --signal=TERM "$step" 2>/dev/null
         for _ in $(seq 60); do kill -0 "$ENGINES" 2>/dev/null || break; sleep 1; done
@@ -134,14 +135,16 @@ def render(plan: JobPlan) -> str:
                 '    "$PYTHON" -m megatron_logra.slurm.engine_task \\',
                 f"    {engine} &",
                 "ENGINES=$!", _STOP_ENGINES,
-                '"$PYTHON" -m megatron_logra.slurm.wait_engines --timeout "$ENGINE_START_TIMEOUT" \\',
-                '    --task-pid "$ENGINES" --logs "$RUN_DIR/engine-*.log" \\',
+                '"$PYTHON" -m megatron_logra.slurm.wait_engines \\',
+                '    --timeout "$ENGINE_START_TIMEOUT" --task-pid "$ENGINES" \\',
+                '    --logs "$RUN_DIR/engine-*.log" \\',
                 '    ${ENGINE_URLS//,/ } || exit 1']
     trainer = [_q(a) for a in plan.trainer_args]
     if e:
         trainer += ["--rollout-engine-url", '"$ENGINE_URLS"']
     out += ["", "# --- trainer ---",
-            f"srun --nodes={t} --ntasks={t} --ntasks-per-node=1 --relative=0 --kill-on-bad-exit=1 \\",
+            f"srun --nodes={t} --ntasks={t} --ntasks-per-node=1 --relative=0 \\",
+            "    --kill-on-bad-exit=1 \\",
             '    "$PYTHON" -m torch.distributed.run --nnodes="$TRAINER_NODES" \\',
             '    --nproc-per-node="$NPROC_PER_NODE" --rdzv-backend=c10d \\',
             '    --rdzv-endpoint="$HEAD:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \\',

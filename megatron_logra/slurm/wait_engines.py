@@ -59,7 +59,7 @@ def wait(urls: list[str], timeout_s: float, task_pid: int | None = None, logs: s
             return (f"the engines' task ended before every server answered /health "
                     f"({_list(waiting)}){see}")
         if elapsed > timeout_s:
-            return (f"no healthy vLLM server after {timeout_s:.0f} s: {_list(waiting)}{see}; "
+            return (f"no healthy vLLM server after {timeout_s:g} s: {_list(waiting)}{see}; "
                     f"a longer start-up needs --engine-start-timeout")
         if time.monotonic() >= next_progress:
             print(f"[slurm] waiting for {len(waiting)} engine(s) ({elapsed:.0f} s): "

@@ -70,7 +70,7 @@ def _idle_nodes() -> tuple[int, str]:
 def job(tmp_path_factory) -> dict:
     idle, said = _idle_nodes()
     if idle < 0:
-        pytest.skip(f"no Slurm here ({said}): run {SETUP} as root to start a one-host Slurm")
+        pytest.skip(f"no Slurm up here ({said}): run {SETUP} as root to start a one-host Slurm")
     if idle < 2:
         pytest.skip(f"the job needs 2 idle Slurm nodes ({said}): run {SETUP} as root "
                     f"(SLURM_NODES=2, its default)")

@@ -17,7 +17,9 @@ naming the flag and the fix: no run folder, zero trainer nodes, TP x PP not divi
 trainer processes, a TP group across nodes, more processes than GPUs, a server larger
 than a node, engine nodes for SFT, several engine nodes (the trainer takes one URL), and
 flags the job owns given to the trainer. The engine task's watch ends a server that
-stopped answering ``/health`` (or exited) and waits for one still starting.
+stopped answering ``/health`` (or exited) and waits for one still starting; the job's
+wait for the engines names a URL that does not answer, with its reason, at its bound, and
+at once when the engines' task ended.
 """
 
 from __future__ import annotations
@@ -36,14 +38,11 @@ import pytest
 
 from megatron_logra.rollout.server_process import server_argv
 from megatron_logra.rollout.types import EngineConfig
-from megatron_logra.slurm import engine_task
+from megatron_logra.slurm import cli, engine_task
 from megatron_logra.slurm.job import SlurmJobConfig, SlurmJobError, plan_job
 from megatron_logra.slurm.script import render
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "launch"))
-import slurm as launcher  # noqa: E402  (launch/slurm.py)
-
 ENTRY = REPO / "launch" / "pretrain_rl.py"
 RL = ["--stage", "rl", "--task", "basic_arithmetic", "--prompts-per-step", "4",
       "--responses-per-prompt", "2", "--micro-batch-size", "1", "--seq-length", "96",
@@ -184,16 +183,17 @@ def test_without_engine_nodes_the_trainer_starts_its_own(tmp_path):
 def test_print_writes_the_script_and_submits_nothing(tmp_path, monkeypatch, capsys):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    _stub(bin_dir / "sbatch", f'echo "$@" >> {tmp_path}/sbatch-calls\necho "Submitted batch job 9"\n')
+    _stub(bin_dir / "sbatch",
+          f'echo "$@" >> {tmp_path}/sbatch-calls\necho "Submitted batch job 9"\n')
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     run = tmp_path / "run"
     flags = ["--run-dir", str(run), "--engine-nodes", "1"]
-    assert launcher.main([*flags, "--print", "--", *RL]) == 0
+    assert cli.main([*flags, "--print", "--", *RL], ENTRY) == 0
     printed = capsys.readouterr().out
     assert printed == render(plan_job(SlurmJobConfig(run_dir=str(run)), RL, ENTRY))
     assert not (tmp_path / "sbatch-calls").exists() and not run.exists()
 
-    assert launcher.main([*flags, "--wait", "--", *RL]) == 0
+    assert cli.main([*flags, "--wait", "--", *RL], ENTRY) == 0
     assert (run / "job.sbatch").read_text() == printed
     assert (tmp_path / "sbatch-calls").read_text().split() == ["--wait", str(run / "job.sbatch")]
 
@@ -232,7 +232,7 @@ def test_a_bad_job_is_refused_naming_the_fix(tmp_path, capsys, job_flags, traine
                                              message):
     flags = ([] if "--run-dir is required" in message else ["--run-dir", str(tmp_path / "r")])
     try:
-        status = launcher.main([*flags, *job_flags, "--print", "--", *trainer_flags])
+        status = cli.main([*flags, *job_flags, "--print", "--", *trainer_flags], ENTRY)
     except SystemExit as exc:  # argparse refusing a job flag
         status = exc.code
     assert status == 2
@@ -241,7 +241,7 @@ def test_a_bad_job_is_refused_naming_the_fix(tmp_path, capsys, job_flags, traine
 
 
 def test_the_trainer_flags_come_after_a_separator(capsys):
-    assert launcher.main(["--run-dir", "x"]) == 2
+    assert cli.main(["--run-dir", "x"], ENTRY) == 2
     assert "give the trainer's flags after --" in capsys.readouterr().err
 
 
@@ -277,6 +277,7 @@ def test_the_engine_task_restarts_a_server_that_stops_answering_or_exits():
     """``engine_task.watch``: a server still starting is waited for; one that answered
     /health and then answers 503 (vLLM's API server after its engine core died) for
     longer than the bound has failed; a process that exits has failed at once."""
+    _Health.status = 503
     server = http.server.HTTPServer(("127.0.0.1", 0), _Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}"
@@ -295,4 +296,29 @@ def test_the_engine_task_restarts_a_server_that_stops_answering_or_exits():
     assert healthy == [1] and 1.6 < time.monotonic() - t0 < 5
     proc.code = 3
     assert engine_task.watch(proc, url, 0.5, poll_s=0.05) == "exited with code 3"
+    server.shutdown()
+
+
+def test_the_job_waits_for_the_engines_and_says_which_one_does_not_answer():
+    """``wait_engines.wait``: healthy URLs end the wait; a URL with nothing listening is
+    named with its reason when the bound passes, and at once when the engines' task ends."""
+    from megatron_logra.runtime.device import free_port
+    from megatron_logra.slurm.wait_engines import wait
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Health.status = 200
+    up, down = f"http://127.0.0.1:{server.server_port}", f"http://127.0.0.1:{free_port()}"
+    assert wait([up], 5, poll_s=0.05) == ""
+    t0 = time.monotonic()
+    failed = wait([up, down], 0.5, logs="RUN/engine-*.log", poll_s=0.05)
+    assert failed.startswith(f"no healthy vLLM server after 0.5 s: {down} (")
+    assert "refused" in failed and failed.endswith("--engine-start-timeout")
+    assert "RUN/engine-*.log" in failed and up not in failed
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    t0 = time.monotonic()
+    failed = wait([down], 60, task_pid=ended.pid, poll_s=0.05)
+    assert failed.startswith("the engines' task ended before every server answered")
+    assert time.monotonic() - t0 < 5
     server.shutdown()
