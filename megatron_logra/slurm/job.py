@@ -161,6 +161,10 @@ def plan_job(job: SlurmJobConfig, trainer_argv: list[str], entry: str | Path,
     nodes where the trainer takes one URL."""
     workdir = Path(workdir or os.getcwd()).resolve()
     run_dir = (workdir / job.run_dir).resolve()
+    for what, path in (("--run-dir", run_dir), ("the working directory", workdir)):
+        if any(c.isspace() for c in str(path)):
+            raise SlurmJobError(f"{what} {str(path)!r} holds a space, which #SBATCH lines "
+                                f"(--output, --chdir) cannot carry: use a path without one")
     argv = list(trainer_argv)
     given = _parse(argv, job, "").flag_sources
     if given.get("--output-dir", {}).get("source") == "command line":

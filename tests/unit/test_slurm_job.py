@@ -222,6 +222,7 @@ REFUSED = [
     (["--job-env", "A B=1"], RL, "--job-env: 'A' is not KEY=VALUE"),
     (["--sbatch-options", "exclusive"], RL, "'exclusive' is not an sbatch option"),
     (["--engine-port", "29400"], RL, "--rdzv-port and --engine-port must differ"),
+    (["--run-dir", "my run"], RL, "holds a space, which #SBATCH lines"),
     ([], RL + ["--seq-lenght", "9"], "unrecognized arguments: --seq-lenght 9"),
 ]
 
