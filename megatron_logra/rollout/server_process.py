@@ -45,10 +45,12 @@ ENGINE_START_ENV = "MLOGRA_ENGINE_START"
 SHM = Path("/dev/shm")
 
 
-def server_argv(cfg: EngineConfig, port: int, *, cuda: bool) -> list[str]:
-    """vLLM's server command line for ``cfg`` (the flags docs/usage.md explains)."""
+def server_argv(cfg: EngineConfig, port: int, *, cuda: bool, host: str = "127.0.0.1"
+                ) -> list[str]:
+    """vLLM's server command line for ``cfg`` (the flags docs/usage.md explains), listening
+    on ``host`` (an engine node's: every interface, ``slurm.engine_task``)."""
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", cfg.model_dir, "--host", "127.0.0.1", "--port", str(port),
+            "--model", cfg.model_dir, "--host", host, "--port", str(port),
             "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len),
             "--seed", str(cfg.seed), "--tensor-parallel-size", str(cfg.tensor_parallel_size),
             "--max-num-seqs", str(cfg.max_num_seqs), "--enforce-eager",
@@ -93,10 +95,13 @@ def server_env(cfg: EngineConfig, engine_start: int, *, cuda: bool) -> dict[str,
 
 
 class LocalServer:
-    """One vLLM server process at a time, started by trainer rank 0."""
+    """One vLLM server process at a time, started by trainer rank 0 (or by an engine
+    node's task: ``slurm.engine_task``, which listens on ``host`` at a fixed ``port``)."""
 
-    def __init__(self, cfg: EngineConfig, log_path: str | Path, *, cuda: bool):
+    def __init__(self, cfg: EngineConfig, log_path: str | Path, *, cuda: bool,
+                 host: str = "127.0.0.1", port: int | None = None):
         self.cfg, self.log_path, self.cuda = cfg, Path(log_path), cuda
+        self.host, self.port = host, port  # port None: a free one at each start
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.shm_at_start: set[Path] = set()  # what it had mapped once up (``note_shm``)
@@ -108,7 +113,7 @@ class LocalServer:
         self.kill()
         self.shm_at_start = set()
         self.starts += 1
-        port = free_port()
+        port = self.port or free_port()
         cores = self.cfg.cpu_cores
 
         def in_child() -> None:
@@ -122,7 +127,7 @@ class LocalServer:
             log.write(f"--- vLLM server start {self.starts} ---\n")
             log.flush()
             self.proc = subprocess.Popen(
-                server_argv(self.cfg, port, cuda=self.cuda),
+                server_argv(self.cfg, port, cuda=self.cuda, host=self.host),
                 env=server_env(self.cfg, self.starts, cuda=self.cuda), stdout=log,
                 stderr=subprocess.STDOUT, preexec_fn=in_child, start_new_session=True)
         return f"http://127.0.0.1:{port}"

@@ -64,7 +64,7 @@ class _Link:
     bound on each send."""
 
     group: object = None
-    joined: int | None = None
+    joined: tuple | None = None  # (engine client, its start) the group was built with
     wait_s: float = GroupAddress.timeout_s
 
 
@@ -92,6 +92,7 @@ class DirectChannel:
         self.shadow: dict[str, torch.Tensor] = {}
         self.store = None
         self.address: GroupAddress | None = None  # rank 0: its store's (prefix set per join)
+        self.joins = 0  # rank 0: groups built on its store (each its own key prefix)
         self.links: dict[int, _Link] = {}  # each replica's group (``use``)
         self.replica = 0
         self.link = self.links.setdefault(0, _Link())
@@ -137,14 +138,19 @@ class DirectChannel:
 
         def new_address() -> GroupAddress | None:  # rank 0: None when already joined
             start = getattr(engine, "start_id", None)
-            if start == self.link.joined:
+            if (engine, start) == self.link.joined:
                 return None
             if self.store is None:
                 host = os.environ.get("MASTER_ADDR", "127.0.0.1")
                 self.address = GroupAddress(host, free_port(), "", self.world,
                                             self.engine_tp, self.backend)
                 self.store = open_store(self.address, master=True)
-            return replace(self.address, prefix=f"mlogra-direct/{self.replica}-{start}/")
+            # a prefix of its own for every group: a server reconnected after a failure
+            # (a fresh client, counting its starts from 1 again) must not meet the keys a
+            # dead group left in the store
+            self.joins += 1
+            return replace(self.address,
+                           prefix=f"mlogra-direct/{self.replica}-{start}-{self.joins}/")
         address = from_rank0(new_address)
         if address is None:
             return ""
@@ -170,7 +176,7 @@ class DirectChannel:
                     failed = failed or str(exc)
         failed = _agree(failed)
         if not failed and self.rank == 0:
-            self.link.joined = getattr(engine, "start_id", None)
+            self.link.joined = (engine, getattr(engine, "start_id", None))
         if failed:
             self.link.group = None
         return failed
