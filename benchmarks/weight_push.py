@@ -75,7 +75,8 @@ def worker(args) -> None:
 
     from megatron_logra.weight_sync.config import WeightSyncConfig
     from megatron_logra.rollout.engine_link import EngineLink
-    from megatron_logra.rollout.types import EngineConfig, Transport
+    from megatron_logra.rollout.types import EngineConfig
+    from megatron_logra.weight_sync.contract import Transport
     from megatron_logra.weight_sync.sync import WeightSync
     from megatron_logra.config import LograConfig, OptimizerConfig
     from megatron_logra.model.arch import load_arch

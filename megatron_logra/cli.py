@@ -29,6 +29,7 @@ from megatron_logra.model.tiny_assets import EMBEDDED_DEFAULT
 from megatron_logra.rl.config import RLConfig
 from megatron_logra.runtime.parallel import ParallelConfig
 from megatron_logra.weight_sync.config import WeightSyncConfig
+from megatron_logra.weight_sync.contract import needs
 
 # (config class, help group title), in --help order; a class's flags are
 # --{its FLAG_PREFIX}{field-name}
@@ -128,7 +129,7 @@ def _configs(args: argparse.Namespace, sources: dict[str, str], world_size: int)
     optimizer = from_flags(OptimizerConfig, args, lora=from_flags(LoraConfig, args),
                            logra=from_flags(LograConfig, args, keep_updates=(
                                training.stage == "rl"
-                               and rl.weight_sync.transport == "sketch-delta")))
+                               and needs(rl.weight_sync.transport).keeps_logra_updates)))
     checkpoint = from_flags(CheckpointConfig, args)
     if training.stage == "rl":
         training = replace(training,

@@ -36,6 +36,7 @@ from megatron_logra.logra.config import LograConfig
 from megatron_logra.lora.config import LoraConfig
 from megatron_logra.rl.config import RLConfig
 from megatron_logra.runtime.parallel import ParallelConfig
+from megatron_logra.weight_sync.contract import check_run
 
 _POSITIVE = flag_spec(minimum=1)
 
@@ -304,12 +305,9 @@ def _check_sft(cfg: RunConfig) -> None:
 def _check_rl(cfg: RunConfig) -> None:
     """``--stage rl`` against the optimizer, precision, layers and sequence length."""
     rl, opt, training = cfg.rl, cfg.optimizer, cfg.training
-    transport = rl.weight_sync.transport
-    if transport == "sketch-delta":
-        _check_sketch_delta(cfg)
-    if transport == "lora-adapter" and opt.peft != "lora":
-        raise ValueError("--weight-sync lora-adapter sends a LoRA adapter to vLLM: it needs "
-                         "--peft lora (use --weight-sync full otherwise)")
+    check_run(rl.weight_sync.transport, optimizer=opt.name, peft=opt.peft, bf16=training.bf16,
+              master_weights=opt.logra.master_weights, rollout_dtype=rl.rollout_dtype,
+              projection=opt.logra.projection)
     if training.seq_length < rl.max_new_tokens + 8:
         raise ValueError(f"--seq-length {training.seq_length} leaves no room for prompts with "
                          f"--max-new-tokens {rl.max_new_tokens}; raise --seq-length")
@@ -325,25 +323,3 @@ def _check_rl(cfg: RunConfig) -> None:
                          "only; use --transformer-impl local (or auto, which builds local "
                          "under predicted-KL control)")
 
-
-def _check_sketch_delta(cfg: RunConfig) -> None:
-    """sketch-delta keeps the engine bit-identical to the trainer only when both apply the
-    same bf16 update with the same rounding bits; anything else drifts (every fingerprint
-    fails, or silently without verification), so it is refused before any work."""
-    opt = cfg.optimizer
-    if opt.name != "logra":
-        raise ValueError("--weight-sync sketch-delta sends LoGRA's low-rank updates: it needs "
-                         "--optimizer logra (use --weight-sync full with Adam)")
-    inexact = [flag for flag, bad in (
-        ("--bf16 (the trainer's weights are fp32)", not cfg.training.bf16),
-        ("--logra-master-weights none (an fp32 master rounds differently from the engine)",
-         opt.logra.master_weights != "none"),
-        ("--rollout-dtype bfloat16 (an fp32 engine cannot hold the trainer's bf16 result)",
-         cfg.rl.rollout_dtype != "bfloat16"),
-        ("--logra-projection rademacher (Gaussian entries are not exact in fp64 products)",
-         opt.logra.projection != "rademacher")) if bad]
-    if inexact:
-        raise ValueError("--weight-sync sketch-delta keeps the engine bit-exact only with "
-                         "--bf16 --logra-master-weights none --rollout-dtype bfloat16 and "
-                         "Rademacher projections; missing: " + "; ".join(inexact) +
-                         ". Add them, or use --weight-sync sparse-delta or full")

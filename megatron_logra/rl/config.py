@@ -16,6 +16,7 @@ from megatron_logra.flags import check_fields, flag_spec
 from megatron_logra.kl.config import KLControlConfig
 from megatron_logra.rollout.placement import check_placement_flags
 from megatron_logra.weight_sync.config import WeightSyncConfig
+from megatron_logra.weight_sync.contract import check_engines, check_steps_per_push
 
 _POSITIVE = flag_spec(minimum=1)
 
@@ -180,10 +181,7 @@ class RLConfig:
         if self.rollout_replicas > 1 and self.rollout_engine_url:
             raise ValueError("--rollout-engine-url names one server; --rollout-replicas > 1 "
                              "starts its engines here: drop one of them")
-        if self.rollout_replicas > 1 and self.weight_sync.transport == "sparse-delta":
-            raise ValueError("--weight-sync sparse-delta diffs against what was last sent, one "
-                             "engine's view; with --rollout-replicas > 1 use sketch-delta "
-                             "(LoGRA), lora-adapter (LoRA) or full")
+        check_engines(self.weight_sync.transport, self.rollout_replicas)
 
     def _check_server_engine(self) -> None:
         from urllib.parse import urlparse
@@ -209,10 +207,7 @@ class RLConfig:
                 f"each move the policy with no budget left for the others. Use --kl-control "
                 f"none with several steps per batch (ratio clipping bounds them), or one step "
                 f"per batch")
-        if steps > 1 and self.weight_sync.transport == "sketch-delta":
-            raise ValueError(f"--weight-sync sketch-delta sends one LoGRA step's factors per "
-                             f"push; with {steps} optimizer steps per rollout batch use "
-                             f"--weight-sync sparse-delta or full")
+        check_steps_per_push(self.weight_sync.transport, steps)
         if self.clip_ratio_high is not None and self.clip_ratio_low is None:
             raise ValueError("--clip-ratio-high needs --clip-ratio-low (clipping is off without "
                              "it); DAPO's clip-higher: --clip-ratio-low 0.2 --clip-ratio-high "

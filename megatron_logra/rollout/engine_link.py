@@ -33,11 +33,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_logra.rollout.types import Completion, EngineConfig, EngineError, SampleRequest
+from megatron_logra.rollout.types import Completion, EngineConfig, SampleRequest
 from megatron_logra.rollout.vllm_server import VllmServer
 from megatron_logra.runtime.collectives import barrier, from_rank0, rank0_value
 from megatron_logra.runtime.device import current_device, release_cached_memory
 from megatron_logra.runtime.progress import Progress
+from megatron_logra.weight_sync.contract import EngineError
 from megatron_logra.weight_sync.sync import SyncStats, WeightSync
 
 TRIES = 3

@@ -35,9 +35,9 @@ from pathlib import Path
 
 from megatron_logra.rollout.lora_adapter import RUNTIME_LORA_ENV, lora_server_args
 from megatron_logra.rollout.types import EngineConfig
-from megatron_logra.rollout.vllm_server import BACKEND
 from megatron_logra.runtime.device import free_port
 from megatron_logra.runtime.faults import ENV as FAULT_ENV
+from megatron_logra.weight_sync.contract import BACKEND
 from megatron_logra.weight_sync.cpu_live_weights import LIVE_WEIGHTS_ENV
 from megatron_logra.weight_sync.vllm_plugin import DIE_WITH_PARENT_ENV
 

@@ -1,5 +1,5 @@
-"""The rollout engine's data types and errors, shared by the trainer's side of weight sync
-and the vLLM server client (``rollout.vllm_server``).
+"""The rollout engine's data types: how a server is started, a sampling request, a
+completion. (The push vocabulary and the engine's errors: ``weight_sync.contract``.)
 
 The engine is vLLM's own server: the trainer talks to it over HTTP (generation, vLLM's
 weight-transfer routes, versions, checksums), and its workers receive pushes from every
@@ -10,41 +10,6 @@ trainer rank through this project's ``mlogra`` weight-transfer backend
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
-
-
-class EngineError(RuntimeError):
-    """The engine died or refused a request; restart it and push the weights again."""
-
-
-class PushInFlight(EngineError):
-    """Generation or scoring was asked for while a push is open (started, not finished):
-    the server would mix two versions, so it is refused (and the server keeps running);
-    finish the push, or restart the server and push again."""
-
-
-class PushRefused(ValueError):
-    """A weight push was refused before anything was applied (a delta on the wrong base
-    version); the engine still serves its previous version."""
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """How a push went, the same on every trainer rank: refused before anything was
-    applied (the reason), or failed (the engine's error), else the bytes it took."""
-
-    refused: str = ""
-    failed: str = ""
-    sent: int = 0
-
-
-class Transport(StrEnum):
-    """How a weight push travels (``--weight-sync``); the values are the flag's choices."""
-
-    FULL = "full"  # every HF tensor, each trainer rank its own pieces
-    SPARSE_DELTA = "sparse-delta"  # the engine-dtype elements that changed (exact)
-    SKETCH_DELTA = "sketch-delta"  # LoGRA: D and the projection seed per sketched weight
-    LORA_ADAPTER = "lora-adapter"  # LoRA: the adapter only, served by vLLM's LoRA support
 
 
 @dataclass(frozen=True)

@@ -12,18 +12,19 @@ and counted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from megatron_logra.weight_sync.config import WeightSyncConfig
-from megatron_logra.rollout.types import EngineError, Transport
 from megatron_logra.runtime.collectives import from_rank0
+from megatron_logra.weight_sync.config import WeightSyncConfig
+from megatron_logra.weight_sync.contract import (Delivery, EngineError, PushTarget, Transport,
+                                                 needs)
 from megatron_logra.weight_sync.full_push import FullPush
 from megatron_logra.weight_sync.lora_adapter_push import LoraAdapterPush
 from megatron_logra.weight_sync.sketch_delta_push import SketchDeltaPush
 from megatron_logra.weight_sync.sparse_delta_push import SparseDeltaPush
-from megatron_logra.weight_sync.transport import PushResult, TrainerWeights
+from megatron_logra.weight_sync.transport import TrainerWeights
 
 
 @dataclass
@@ -65,7 +66,7 @@ class WeightSync:
         The engine is vLLM's server (``rollout.vllm_server``): pushes go through its
         weight-transfer routes, checks by vLLM's checksums."""
         self.cfg = cfg
-        adapter_mode = cfg.transport == Transport.LORA_ADAPTER
+        adapter_mode = needs(cfg.transport).engine_serves_adapter
         if adapter_mode and lora is None:
             raise ValueError("--weight-sync lora-adapter sends a LoRA adapter: train with "
                              "--peft lora")
@@ -112,14 +113,14 @@ class WeightSync:
         if self.weights.direct is not None:
             self.weights.direct.close()
 
-    def engine_mismatches(self, engine) -> int | None:
+    def engine_mismatches(self, engine: PushTarget) -> int | None:
         """How many HF tensors the server holds differently from the trainer (vLLM's
         checksums; every rank); None when the check failed."""
         bad, _ = self.full.mismatches(engine)
         return None if bad is None else len(bad)
 
     # --- one push --------------------------------------------------------------------------
-    def push(self, engine, version: int, transport: str | None = None) -> PushResult:
+    def push(self, engine: PushTarget | None, version: int, transport: str | None = None) -> Delivery:
         """Push the trainer's weights as ``version``; ``transport`` forces one (tests,
         benchmarks; a delta still needs the engine at the previous version)."""
         chosen = self._choose(engine, version, transport)
@@ -152,7 +153,7 @@ class WeightSync:
                                     shadow_version=base, anchor_interval=self.cfg.anchor_interval)
         return from_rank0(choose)
 
-    def _push_delta(self, engine, version: int, delta) -> PushResult | None:
+    def _push_delta(self, engine, version: int, delta) -> Delivery | None:
         """Every rank's part reaches the engine (``delta.deliver``); each vLLM worker applies
         its shard of it in place. None: refused before anything was applied."""
         done = delta.deliver(engine, version)
@@ -162,13 +163,13 @@ class WeightSync:
                       flush=True)
             return None
         if done.failed:  # the engine died: the caller restarts it and pushes in full
-            return PushResult(failed=done.failed)
-        out = PushResult(sent=done.sent if self.rank == 0 else 0)
+            return Delivery(failed=done.failed)
+        out = Delivery(sent=done.sent if self.rank == 0 else 0)
         self.stats.delta_pushes += 1
         delta.applied(version)
         every = self.cfg.verify_interval
         if delta.verifiable and every and self.stats.delta_pushes % every == 0:
             checked, mismatches = self.full.resend_mismatches(engine, version)
             self.stats.checksum_mismatches += mismatches
-            out.failed, out.sent = checked.failed, out.sent + checked.sent
+            out = replace(out, failed=checked.failed, sent=out.sent + checked.sent)
         return out

@@ -69,7 +69,7 @@ def _differing(run) -> list[str] | None:
 
 def _refused(run) -> bool:
     """A delta on a base the server does not serve is refused, nothing applied (rank 0)."""
-    from megatron_logra.rollout.types import PushRefused
+    from megatron_logra.weight_sync.contract import PushRefused
 
     try:
         run.engine.expect("sketch-delta", base_version=run.version + 5,

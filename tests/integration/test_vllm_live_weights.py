@@ -73,7 +73,7 @@ def _push_sketch(server, updates: list, version: int, tp: int) -> bool:
     backend's group, gloo); returns whether scoring was refused while the push was open."""
     from megatron_logra.weight_sync.messages import Outbox
     from megatron_logra.weight_sync.p2p import GroupAddress, join_group, open_store, send_message, wait_all
-    from megatron_logra.rollout.types import PushInFlight
+    from megatron_logra.weight_sync.contract import PushInFlight
     from megatron_logra.runtime.device import free_port
 
     address = GroupAddress("127.0.0.1", free_port(), "live-test/", 1, tp, "gloo", 120.0)

@@ -20,10 +20,11 @@ from megatron_logra.rollout.engine_link import EngineLink
 from megatron_logra.rollout.engine_memory import (ENGINE_OVERHEAD_BYTES, GIB, GpuMemory,
                                                  SharedGpuSizer, size_engines)
 from megatron_logra.rollout.placement import EnginePlacement
-from megatron_logra.rollout.types import EngineConfig, EngineError
+from megatron_logra.rollout.types import EngineConfig
+from megatron_logra.weight_sync.contract import EngineError
 from megatron_logra.runtime import device
 from megatron_logra.weight_sync.sync import SyncStats
-from megatron_logra.weight_sync.transport import PushResult
+from megatron_logra.weight_sync.contract import Delivery
 
 
 class FakeEngine:
@@ -67,8 +68,8 @@ class FakeSync:
         self.pushed.append((engine, version))
         if self.fail:
             self.fail -= 1
-            return PushResult(failed="the engine died")
-        return PushResult(sent=1)
+            return Delivery(failed="the engine died")
+        return Delivery(sent=1)
 
     def close(self):
         pass
