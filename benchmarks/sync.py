@@ -70,7 +70,8 @@ def rollout_speed(prompts: int = 32, new_tokens: int = 48) -> dict:
     push can update in place) and of one with live weights (``F.linear``, what the
     ``mlogra`` backend writes into): the price on CPU of in-place pushes. The best of two
     rounds of ``prompts`` x ``new_tokens``."""
-    from megatron_logra.rollout.types import EngineConfig, SampleRequest
+    from megatron_logra.rollout.config import EngineConfig
+    from megatron_logra.rollout.types import SampleRequest, ServerSpec
     from megatron_logra.rollout.vllm_server import VllmServer
 
     requests = [SampleRequest(list(range(100, 140)), seed=i, max_new_tokens=new_tokens,
@@ -78,9 +79,9 @@ def rollout_speed(prompts: int = 32, new_tokens: int = 48) -> dict:
     out = {}
     for label, live in (("packed", "0"), ("live", "1")):
         engine = VllmServer.local(
-            EngineConfig(str(MODEL), max_model_len=256, dtype="bfloat16", kv_cache_gib=0.5,
-                         max_num_seqs=prompts, load_format="auto",
-                         env=(("MLOGRA_LIVE_WEIGHTS", live),)),
+            ServerSpec(str(MODEL), max_model_len=256, max_num_seqs=prompts, load_format="auto",
+                       engine=EngineConfig(dtype="bfloat16", kv_cache_gib=0.5),
+                       env=(("MLOGRA_LIVE_WEIGHTS", live),)),
             REPO / "runs" / "bench_sync" / f"server_{label}.log", cuda=False)
         try:
             engine.assume_version(0)

@@ -75,7 +75,8 @@ def worker(args) -> None:
 
     from megatron_logra.weight_sync.config import WeightSyncConfig
     from megatron_logra.rollout.engine_link import EngineLink
-    from megatron_logra.rollout.types import EngineConfig
+    from megatron_logra.rollout.config import EngineConfig
+    from megatron_logra.rollout.types import ServerSpec
     from megatron_logra.weight_sync.contract import Transport
     from megatron_logra.weight_sync.sync import WeightSync
     from megatron_logra.config import LograConfig, OptimizerConfig
@@ -104,8 +105,9 @@ def worker(args) -> None:
                       objs.model, arch, torch.bfloat16, optimizer=objs.optimizer,
                       engine_tp=args.engine_tp)
     sync.track_changes()  # sparse deltas: every full push records its base
-    cfg = EngineConfig(folder, max_model_len=128, dtype="bfloat16", kv_cache_gib=0.25,
-                       tensor_parallel_size=args.engine_tp, max_num_seqs=4)
+    cfg = ServerSpec(folder, max_model_len=128, max_num_seqs=4,
+                     engine=EngineConfig(dtype="bfloat16", kv_cache_gib=0.25,
+                                         tensor_parallel_size=args.engine_tp))
     link = EngineLink(sync, [cfg] if rt.rank == 0 else None)
     link.push(0, Transport.FULL)  # start-up: the server on dummy weights, then these
     rows = []

@@ -26,7 +26,8 @@ from megatron_logra.kl.config import KLControlConfig
 from megatron_logra.logra.config import LograConfig
 from megatron_logra.lora.config import LoraConfig
 from megatron_logra.model.tiny_assets import EMBEDDED_DEFAULT
-from megatron_logra.rl.config import RLConfig
+from megatron_logra.rl.config import PolicyObjective, RLConfig, StalenessConfig, VerifierConfig
+from megatron_logra.rollout.config import EngineConfig
 from megatron_logra.runtime.parallel import ParallelConfig
 from megatron_logra.weight_sync.config import WeightSyncConfig
 from megatron_logra.weight_sync.contract import needs
@@ -42,6 +43,10 @@ FLAG_GROUPS = (
     (LoraConfig, "LoRA (--peft lora)"),
     (DataConfig, "data"),
     (RLConfig, "RL (--stage rl): rollouts, rewards, evaluation"),
+    (PolicyObjective, "the policy loss (--stage rl)"),
+    (VerifierConfig, "the verifier (--stage rl)"),
+    (EngineConfig, "the rollout engines (--stage rl)"),
+    (StalenessConfig, "generation beside training (--stage rl)"),
     (WeightSyncConfig, "weight sync to the rollout engine (--stage rl)"),
     (KLControlConfig, "predicted-KL step control (--stage rl)"),
     (CheckpointConfig, "checkpointing"),
@@ -123,7 +128,11 @@ def _configs(args: argparse.Namespace, sources: dict[str, str], world_size: int)
     them) and its split over ``world_size``; ValueError names the flag and the fix."""
     parallel = from_flags(ParallelConfig, args)
     parallel.validate(world_size)  # first: a launch that does not match is said first
-    rl = from_flags(RLConfig, args, weight_sync=from_flags(WeightSyncConfig, args),
+    rl = from_flags(RLConfig, args, objective=from_flags(PolicyObjective, args),
+                    verifier=from_flags(VerifierConfig, args),
+                    rollout=from_flags(EngineConfig, args),
+                    staleness=from_flags(StalenessConfig, args),
+                    weight_sync=from_flags(WeightSyncConfig, args),
                     kl=from_flags(KLControlConfig, args))
     training = from_flags(TrainingConfig, args)
     optimizer = from_flags(OptimizerConfig, args, lora=from_flags(LoraConfig, args),

@@ -306,7 +306,7 @@ def _check_rl(cfg: RunConfig) -> None:
     """``--stage rl`` against the optimizer, precision, layers and sequence length."""
     rl, opt, training = cfg.rl, cfg.optimizer, cfg.training
     check_run(rl.weight_sync.transport, optimizer=opt.name, peft=opt.peft, bf16=training.bf16,
-              master_weights=opt.logra.master_weights, rollout_dtype=rl.rollout_dtype,
+              master_weights=opt.logra.master_weights, rollout_dtype=rl.rollout.dtype,
               projection=opt.logra.projection)
     if training.seq_length < rl.max_new_tokens + 8:
         raise ValueError(f"--seq-length {training.seq_length} leaves no room for prompts with "

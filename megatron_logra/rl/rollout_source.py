@@ -28,11 +28,11 @@ from megatron_logra.data.tokenizer import load_tokenizer
 from megatron_logra.rl import advantages as adv
 from megatron_logra.rl import rollouts
 from megatron_logra.rl.policy_loss import RolloutSample
-from megatron_logra.rl.verifiers import Verifier, VerifierConfig
+from megatron_logra.rl.verifiers import Verifier
 from megatron_logra.rollout.engine_link import EngineLink
 from megatron_logra.rollout.engine_memory import shared_gpu_sizer
 from megatron_logra.rollout.placement import EnginePlacement, plan_placement, split_replicas
-from megatron_logra.rollout.types import EngineConfig
+from megatron_logra.rollout.types import ServerSpec
 from megatron_logra.runtime.collectives import from_rank0
 from megatron_logra.runtime.device import current_device, node_devices
 from megatron_logra.training.build import TrainingObjects
@@ -45,7 +45,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class _Driver:
     """Rank 0's engine config, verifier and prompts (None elsewhere)."""
 
-    engine_cfgs: list[EngineConfig]  # one per --rollout-replicas
+    engine_cfgs: list[ServerSpec]  # one per --rollout-replicas
     verifier: Verifier
     train_prompts: list
     eval_prompts: list
@@ -59,17 +59,17 @@ class RolloutSource:
         self.replica_placements: list[EnginePlacement] = []  # rank 0: each engine's
         self.placement = self._place_engine()
         self.weights = WeightSync(rl.weight_sync, objs.model, objs.arch,
-                                  _DTYPES[rl.rollout_dtype], optimizer=objs.optimizer,
+                                  _DTYPES[rl.rollout.dtype], optimizer=objs.optimizer,
                                   lora=opt.lora if opt.peft == "lora" else None,
-                                  engine_tp=rl.rollout_tensor_parallel_size,
+                                  engine_tp=rl.rollout.tensor_parallel_size,
                                   group_backend="gloo" if self.placement.shares_trainer_gpus
                                   else None)
         self.baseline = adv.RunningBaseline(rl.baseline_decay)
         self.driver = self._start_driver_everywhere()
         self.link = EngineLink(self.weights, self.driver.engine_cfgs if self.driver else None,
                                sleep_mode=self.placement.sleep_mode,
-                               replicas=rl.rollout_replicas,
-                               sizer=shared_gpu_sizer(rl, objs.arch, self.placement,
+                               replicas=rl.rollout.replicas,
+                               sizer=shared_gpu_sizer(rl.rollout, objs.arch, self.placement,
                                                       self.replica_placements))
 
     @property
@@ -106,14 +106,14 @@ class RolloutSource:
 
         def plan() -> EnginePlacement:
             whole = plan_placement(
-                rl.rollout_placement, rl.rollout_devices,
-                engine_tp=rl.rollout_tensor_parallel_size, cuda=cuda,
+                rl.rollout.placement, rl.rollout.devices,
+                engine_tp=rl.rollout.tensor_parallel_size, cuda=cuda,
                 node_devices=node_devices(),
                 local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                 visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                remote_engine=bool(rl.rollout_engine_url), replicas=rl.rollout_replicas)
+                remote_engine=bool(rl.rollout.engine_url), replicas=rl.rollout.replicas)
             self.replica_placements = split_replicas(
-                whole, rl.rollout_replicas, rl.rollout_tensor_parallel_size, cuda=cuda,
+                whole, rl.rollout.replicas, rl.rollout.tensor_parallel_size, cuda=cuda,
                 node_devices=node_devices(), visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
             return whole
         placement = from_rank0(plan)
@@ -150,17 +150,14 @@ class RolloutSource:
             raise ValueError(f"only {len(prompts)} prompts fit --seq-length - --max-new-tokens; "
                              f"raise --dataset-size or --seq-length (need > --eval-prompts)")
         init_dir = str(self._engine_init_dir())
-        engine_cfgs = [EngineConfig(
-            init_dir, max_model_len=cfg.training.seq_length,
-            dtype=rl.rollout_dtype, kv_cache_gib=rl.rollout_kv_cache_gib,
-            tensor_parallel_size=rl.rollout_tensor_parallel_size, seed=rl.rollout_seed,
+        engine_cfgs = [ServerSpec(
+            init_dir, max_model_len=cfg.training.seq_length, engine=rl.rollout,
             lora_rank=self.weights.engine_lora_rank, env=tuple(placed.env.items()),
-            cpu_cores=placed.engine_cores, sleep_mode=placed.sleep_mode,
-            url=rl.rollout_engine_url, replica=replica)
+            cpu_cores=placed.engine_cores, sleep_mode=placed.sleep_mode, replica=replica)
             for replica, placed in enumerate(self.replica_placements)]
         print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",
               flush=True)
-        verifier = Verifier(VerifierConfig(reward=rl.reward, timeout_s=rl.verifier_timeout))
+        verifier = Verifier(rl.verifier)
         return _Driver(engine_cfgs, verifier, prompts[rl.eval_prompts:], prompts[:rl.eval_prompts],
                        tokenizer)
 
@@ -212,7 +209,7 @@ class RolloutSource:
         if rl.algorithm == "grpo":
             a = adv.grpo_advantages(r, scale_by_std=rl.grpo_std_norm)
         else:
-            failure = rl.failure_reward if rl.reward == "binary" else None
+            failure = rl.failure_reward if rl.verifier.reward == "binary" else None
             a = baseline.advantages(adv.reinforce_outcomes(r, failure))
         samples = [RolloutSample(p.ids, c.token_ids, c.logprobs, float(a.flatten()[k]),
                                  truncated=c.truncated, reward=float(r.flatten()[k]),

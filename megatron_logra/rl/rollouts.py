@@ -44,7 +44,7 @@ def step_requests(prompts: list[Prompt], cfg: RLConfig, update: int, seed: int,
     chosen = [prompts[i] for i in batch_indices(len(prompts), cfg.prompts_per_step, update,
                                                 order_seed)]
     first = round_ * cfg.prompts_per_step
-    requests = [SampleRequest(p.ids, sample_seed(cfg.rollout_seed, update, first + i, j),
+    requests = [SampleRequest(p.ids, sample_seed(cfg.rollout.seed, update, first + i, j),
                               cfg.max_new_tokens, cfg.temperature)
                 for i, p in enumerate(chosen) for j in range(cfg.responses_per_prompt)]
     return chosen, requests
@@ -76,7 +76,7 @@ def score(verifier: Verifier, tokenizer: TextTokenizer, prompts: list[Prompt],
 
 
 def eval_requests(prompts: list[Prompt], cfg: RLConfig) -> list[SampleRequest]:
-    return [SampleRequest(p.ids, sample_seed(cfg.rollout_seed + 7919, 0, i, j),
+    return [SampleRequest(p.ids, sample_seed(cfg.rollout.seed + 7919, 0, i, j),
                           cfg.max_new_tokens, cfg.eval_temperature, cfg.eval_top_p)
             for i, p in enumerate(prompts) for j in range(cfg.eval_samples)]
 

@@ -34,7 +34,7 @@ from megatron_logra.rl.policy_loss import RolloutSample
 from megatron_logra.rl.policy_update import PolicyUpdate
 from megatron_logra.rl.rollout_ahead import RolloutAhead
 from megatron_logra.rl.rollout_source import RolloutSource
-from megatron_logra.rl.staleness import StalenessBound, UpdateKL, apply_bound
+from megatron_logra.rl.staleness import UpdateKL, apply_bound
 from megatron_logra.runtime.faults import maybe_fail
 from megatron_logra.training.log_sinks import open_metrics_log
 from megatron_logra.training.prepare import prepare_training
@@ -57,8 +57,8 @@ class RLStage:
         self.version = self.prep.start_step
         rl = cfg.rl
         self.ahead = RolloutAhead(self.source, cfg.training.train_iters) \
-            if rl.async_rollouts else None
-        self.bound = StalenessBound(rl.max_staleness, rl.max_staleness_kl, rl.stale_samples)
+            if rl.staleness.async_rollouts else None
+        self.bound = rl.staleness
         self.update_kl = UpdateKL()
         self.push_weights()  # the engines start from the trainer's weights
 
@@ -123,7 +123,7 @@ class RLStage:
         training), the next --max-staleness batches started at the current weights, and
         the staleness bounds applied (``rl.staleness``)."""
         samples, record = self.ahead.take(update, self.version)
-        for ahead in range(1, self.bound.max_versions + 1):
+        for ahead in range(1, self.bound.max_staleness + 1):
             self.ahead.start(update + ahead, self.version)
         samples, stale = apply_bound(samples, self.version, self.update_kl, self.bound)
         record.update(stale)

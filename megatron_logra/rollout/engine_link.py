@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_logra.rollout.types import Completion, EngineConfig, SampleRequest
+from megatron_logra.rollout.types import Completion, SampleRequest, ServerSpec
 from megatron_logra.rollout.vllm_server import VllmServer
 from megatron_logra.runtime.collectives import barrier, from_rank0, rank0_value
 from megatron_logra.runtime.device import current_device, release_cached_memory
@@ -63,7 +63,7 @@ def split_evenly(items: list, parts: int) -> list[list]:
 
 
 class EngineLink:
-    def __init__(self, sync: WeightSync, engine_cfgs: list[EngineConfig] | None,
+    def __init__(self, sync: WeightSync, engine_cfgs: list[ServerSpec] | None,
                  sleep_mode: bool = False, replicas: int = 1, sizer=None):
         """``engine_cfgs``: rank 0's settings of each engine (None on every other rank): a
         server at its ``url``, or one started here from its ``model_dir`` (config and
@@ -168,10 +168,11 @@ class EngineLink:
                 print(f"rollout engine{which}: vLLM's server restarted in "
                       f"{engine.startup_s:.1f}s{asked}", flush=True)
                 return ""
-            if cfg.url:  # a server the user runs: connect, the first push is full
-                engine = VllmServer(cfg.url, cfg.request_timeout_s, cfg.startup_timeout_s,
+            url = cfg.engine.engine_url
+            if url:  # a server the user runs: connect, the first push is full
+                engine = VllmServer(url, cfg.request_timeout_s, cfg.startup_timeout_s,
                                     adapter_root=self._adapter_root(cfg))
-                print(f"rollout engine: the vLLM server at {cfg.url} (TP{engine.world_size}, "
+                print(f"rollout engine: the vLLM server at {url} (TP{engine.world_size}, "
                       f"serving {engine.model}); its weights are replaced by the first push",
                       flush=True)
             else:  # vLLM's server, started here
@@ -180,7 +181,8 @@ class EngineLink:
                                           cuda=current_device().type == "cuda",
                                           adapter_root=self._adapter_root(cfg))
                 print(f"rollout engine{which}: vLLM's server up in {engine.startup_s:.1f}s at "
-                      f"{engine.url} (vLLM {cfg.dtype}, TP{cfg.tensor_parallel_size}, dummy "
+                      f"{engine.url} (vLLM {cfg.engine.dtype}, "
+                      f"TP{cfg.engine.tensor_parallel_size}, dummy "
                       f"weights until the first push{asked})", flush=True)
         except EngineError as exc:
             return f"engine start-up: {exc}"
@@ -192,7 +194,7 @@ class EngineLink:
         return f"engine {replica}" if self.replicas > 1 else "engine"
 
     @staticmethod
-    def _adapter_root(cfg: EngineConfig) -> str:
+    def _adapter_root(cfg: ServerSpec) -> str:
         name = f"adapters-{cfg.replica}" if cfg.replica else "adapters"
         return str(Path(cfg.model_dir).parent / name)
 

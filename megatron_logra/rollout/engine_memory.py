@@ -117,16 +117,17 @@ class SharedGpuSizer:
                                                self.engine_tp, self.needed))
 
 
-def shared_gpu_sizer(rl, arch, placement, placements: list) -> SharedGpuSizer | None:
+def shared_gpu_sizer(engine, arch, placement, placements: list) -> SharedGpuSizer | None:
     """The sizer of this run's engines when they start on node 0's trainer GPUs (CUDA,
     ``inherit`` or ``colocated``, not a server at --rollout-engine-url:
     ``placement.shares_trainer_gpus``); None elsewhere (CPU, dedicated GPUs, a remote
-    engine: vLLM's default). ``rl``: the run's ``RLConfig``; ``arch``: its ``ModelArch``;
+    engine: vLLM's default). ``engine``: the run's ``rollout.config.EngineConfig``;
+    ``arch``: its ``ModelArch``;
     ``placement``: the engines' ``EnginePlacement`` (every rank), ``placements``: each
     engine's (rank 0)."""
     if not placement.shares_trainer_gpus:
         return None
-    tp = rl.rollout_tensor_parallel_size
-    needed = engine_bytes(arch.num_parameters, tp, 2 if rl.rollout_dtype == "bfloat16" else 4,
-                          int(rl.rollout_kv_cache_gib * GIB))
+    tp = engine.tensor_parallel_size
+    needed = engine_bytes(arch.num_parameters, tp, 2 if engine.dtype == "bfloat16" else 4,
+                          int(engine.kv_cache_gib * GIB))
     return SharedGpuSizer(needed, tp, placements)

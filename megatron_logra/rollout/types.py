@@ -1,5 +1,6 @@
-"""The rollout engine's data types: how a server is started, a sampling request, a
-completion. (The push vocabulary and the engine's errors: ``weight_sync.contract``.)
+"""The rollout engine's data types: what a server is started with (``ServerSpec``), a
+sampling request, a completion (the push vocabulary and the engine's errors:
+``weight_sync.contract``).
 
 The engine is vLLM's own server: the trainer talks to it over HTTP (generation, vLLM's
 weight-transfer routes, versions, checksums), and its workers receive pushes from every
@@ -9,20 +10,21 @@ trainer rank through this project's ``mlogra`` weight-transfer backend
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from megatron_logra.rollout.config import EngineConfig
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """The vLLM server the trainer starts (``rollout.server_process``), or the one at
-    ``url`` (started by the user: only the timeouts apply)."""
+class ServerSpec:
+    """One vLLM server: the run's engine settings as they are (``engine``, the
+    ``--rollout-*`` slice) and what the trainer derives for this server. The server at
+    ``engine.engine_url`` (started by the user): only the timeouts apply; else trainer rank
+    0 starts it (``rollout.server_process``)."""
 
     model_dir: str  # config and tokenizer of the policy (the weights come with the first push)
     max_model_len: int
-    dtype: str = "float32"  # float32 (CPU parity) | bfloat16 (GPU)
-    kv_cache_gib: float = 1.0
-    tensor_parallel_size: int = 1
-    seed: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)
     max_num_seqs: int = 128
     lora_rank: int = 0  # > 0: vLLM serves the base plus a LoRA adapter of this rank
     env: tuple[tuple[str, str], ...] = ()  # set in the server's environment (placement)
@@ -30,9 +32,8 @@ class EngineConfig:
     sleep_mode: bool = False  # CUDA, colocated: release weights and KV cache between turns
     # CUDA, on the trainer's GPUs (inherit, colocated): vLLM's start-up memory fraction,
     # sized from what the trainer left free, measured before each start (set then by
-    # ``engine_link``, ``engine_memory.SharedGpuSizer``); None: vLLM's default
+    # ``rollout.engines``, ``engine_memory.SharedGpuSizer``); None: vLLM's default
     gpu_memory_utilization: float | None = None
-    url: str = ""  # a running vLLM server (``--rollout-engine-url``): not started here
     replica: int = 0  # which of --rollout-replicas engines (its log, adapters, weight group)
     # "dummy": the server starts on random weights and the first push brings the
     # trainer's (no weights file anywhere); "auto": it loads ``model_dir``'s (tests)

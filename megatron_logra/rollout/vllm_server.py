@@ -74,7 +74,7 @@ class VllmServer:
 
     @classmethod
     def local(cls, cfg, log_path, *, cuda: bool, adapter_root: str | None = None) -> VllmServer:
-        """Start vLLM's server for ``cfg`` (``EngineConfig``) here and connect to it."""
+        """Start vLLM's server for ``cfg`` (``ServerSpec``) here and connect to it."""
         from megatron_logra.rollout.server_process import LocalServer
 
         owner = LocalServer(cfg, log_path, cuda=cuda)

@@ -20,6 +20,7 @@ checksums) and against each other. Rank 0 writes {"steps": [...], "restarts": ..
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch.distributed as dist
 
@@ -29,7 +30,6 @@ from rl_worker import close_and_write, plus_minus_advantages
 def main() -> None:
     from megatron_logra.cli import parse_run_config
     from megatron_logra.rl.stage import RLStage
-    from megatron_logra.rl.staleness import StalenessBound
 
     out_path, argv = sys.argv[1], sys.argv[2:]
     run = RLStage(parse_run_config(argv))
@@ -40,7 +40,7 @@ def main() -> None:
         if update == 2 and dist.get_rank() == 0:
             link.engines[0].kill_for_test()
         if update == 4:
-            run.bound = StalenessBound(own_bound.max_versions, max_kl=1e-12)
+            run.bound = replace(own_bound, max_staleness_kl=1e-12)
         seen: dict = {}
 
         def forced(samples):

@@ -38,7 +38,7 @@ def main() -> None:
 
     out_path, argv = sys.argv[1], sys.argv[2:]
     cfg = parse_run_config(argv)
-    url = cfg.rl.rollout_engine_url
+    url = cfg.rl.rollout.engine_url
     run = RLStage(cfg)
     rows = torch.randint(0, run.objs.arch.vocab_size, (3, 24),
                          generator=torch.Generator().manual_seed(5))

@@ -114,7 +114,8 @@ def _transformers_logprobs(folder, weights, rows: torch.Tensor) -> torch.Tensor:
 def case(request, tmp_path_factory):
     from safetensors.torch import load_file
 
-    from megatron_logra.rollout.types import EngineConfig
+    from megatron_logra.rollout.config import EngineConfig
+    from megatron_logra.rollout.types import ServerSpec
     from megatron_logra.weight_sync.sketch_rows import apply_updates
     from megatron_logra.model.arch import load_arch
     from megatron_logra.model.tiny_assets import write_tiny_hf_checkpoint
@@ -126,8 +127,9 @@ def case(request, tmp_path_factory):
     arch = load_arch(folder)
     weights = {n: t.to(DTYPE) for n, t in load_file(folder / "model.safetensors").items()}
     shm_before = shm_entries()
-    cfg = EngineConfig(str(folder), max_model_len=64, dtype="bfloat16", kv_cache_gib=0.05,
-                       tensor_parallel_size=tp, max_num_seqs=8, load_format="auto")
+    cfg = ServerSpec(str(folder), max_model_len=64, max_num_seqs=8, load_format="auto",
+                     engine=EngineConfig(dtype="bfloat16", kv_cache_gib=0.05,
+                                         tensor_parallel_size=tp))
     server = VllmServer.local(cfg, tmp / "server.log", cuda=False)
     try:
         loaded = server.checksums()

@@ -20,7 +20,7 @@ from megatron_logra.rollout.engine_link import EngineLink
 from megatron_logra.rollout.engine_memory import (ENGINE_OVERHEAD_BYTES, GIB, GpuMemory,
                                                  SharedGpuSizer, size_engines)
 from megatron_logra.rollout.placement import EnginePlacement
-from megatron_logra.rollout.types import EngineConfig
+from megatron_logra.rollout.types import ServerSpec
 from megatron_logra.weight_sync.contract import EngineError
 from megatron_logra.runtime import device
 from megatron_logra.weight_sync.sync import SyncStats
@@ -30,7 +30,7 @@ from megatron_logra.weight_sync.contract import Delivery
 class FakeEngine:
     """A server started here: records how it was (re)started, slept and woken."""
 
-    def __init__(self, cfg: EngineConfig, events: list):
+    def __init__(self, cfg: ServerSpec, events: list):
         self.owner, self.down, self.start_id, self.startup_s = object(), False, 1, 0.0
         self.url = "http://fake"
         self.utilizations = [cfg.gpu_memory_utilization]
@@ -100,7 +100,7 @@ def test_every_start_is_sized_from_what_the_gpu_has_free_then(world_of_one, monk
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free.pop(0), 80 * GIB))
     monkeypatch.setattr(device, "release_cached_memory", lambda: events.append("release cache"))
     sizer = SharedGpuSizer(needed=10 * GIB, engine_tp=1, placements=[EnginePlacement("inherit")])
-    link = EngineLink(FakeSync(fail=1), [EngineConfig("/m/init", 64)], sizer=sizer)
+    link = EngineLink(FakeSync(fail=1), [ServerSpec("/m/init", 64)], sizer=sizer)
     link.push(0)
     engine = started[0]
     first, again = engine.utilizations
@@ -143,7 +143,7 @@ def test_colocated_turns_are_fenced_by_barriers(world_of_one, monkeypatch):
     monkeypatch.setattr(engine_link, "barrier", lambda: events.append("barrier"))
     monkeypatch.setattr(engine_link, "release_cached_memory",
                         lambda: events.append("release cache"))
-    link = EngineLink(FakeSync(), [EngineConfig("/m/init", 64)], sleep_mode=True)
+    link = EngineLink(FakeSync(), [ServerSpec("/m/init", 64)], sleep_mode=True)
     link.push(0)
     events.clear()
     link.release()
@@ -163,7 +163,7 @@ def test_a_failed_sleep_ends_the_engine_and_the_next_push_starts_it(world_of_one
 
     def refuse():
         raise EngineError("sleep refused")
-    link = EngineLink(FakeSync(), [EngineConfig("/m/init", 64)], sleep_mode=True)
+    link = EngineLink(FakeSync(), [ServerSpec("/m/init", 64)], sleep_mode=True)
     link.push(0)
     started[0].sleep = refuse
     link.release()

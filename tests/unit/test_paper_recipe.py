@@ -62,12 +62,12 @@ def test_table1_commands_pass_the_launchers_checks(tmp_path, size, method):
     assert cfg.parallel.data_parallel_size(8) * cfg.parallel.tensor_model_parallel_size * \
         cfg.parallel.pipeline_model_parallel_size == 8
     assert (rl.algorithm, rl.prompts_per_step, rl.responses_per_prompt) == ("reinforce", 128, 1)
-    assert (rl.failure_reward, rl.baseline_decay, rl.tis_cap, rl.temperature) == (
+    assert (rl.failure_reward, rl.baseline_decay, rl.objective.tis_cap, rl.temperature) == (
         -0.01, 0.9, 2.0, 1.0)
     assert (rl.eval_interval, rl.eval_samples, rl.eval_temperature, rl.eval_top_p) == (
         5, 4, 0.7, 0.7)
     assert cfg.training.seq_length == 4096 and cfg.training.recompute_activations
-    assert cfg.training.seed == rl.rollout_seed == 42 and cfg.training.train_iters == 200
+    assert cfg.training.seed == rl.rollout.seed == 42 and cfg.training.train_iters == 200
     if method == "dense":
         assert (opt.name, opt.lr, opt.adam_beta2, opt.clip_grad, opt.lr_warmup_iters,
                 opt.lr_decay_iters, opt.min_lr) == ("adam", 1e-6, 0.95, 0.0, 9, 300, 1e-7)

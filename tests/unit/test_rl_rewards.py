@@ -12,7 +12,8 @@ from megatron_logra.rl import advantages as adv
 from megatron_logra.data.tasks import PRESETS, resolve_tasks
 from megatron_logra.data.tasks import TaskItem as RLItem
 from megatron_logra.data.tasks import generate_items as generate_rl_items
-from megatron_logra.rl.verifiers import Verifier, VerifierConfig, extract_answer
+from megatron_logra.rl.config import VerifierConfig
+from megatron_logra.rl.verifiers import Verifier, extract_answer
 from megatron_logra.runtime.sandbox import SandboxLimits
 
 
@@ -34,7 +35,7 @@ def test_answer_extraction_takes_the_last_tag():
 
 @pytest.fixture(scope="module")
 def verifier():
-    v = Verifier(VerifierConfig(timeout_s=20.0))
+    v = Verifier(VerifierConfig(timeout=20.0))
     yield v
     v.close()
 
@@ -53,8 +54,8 @@ def test_reasoning_gym_and_math_answers_are_scored_by_their_own_scorers(verifier
 
 def test_partial_credit_and_binary_threshold():
     item = RLItem("fake", "q", "a", 0, {})
-    binary = Verifier(VerifierConfig(timeout_s=20.0), score_fn=misbehaving)
-    partial = Verifier(VerifierConfig(reward="partial", timeout_s=20.0), score_fn=misbehaving)
+    binary = Verifier(VerifierConfig(timeout=20.0), score_fn=misbehaving)
+    partial = Verifier(VerifierConfig(reward="partial", timeout=20.0), score_fn=misbehaving)
     try:
         assert binary.score(item, "0.5").reward == 0.0
         assert binary.score(item, "1.0").reward == 1.0
@@ -67,7 +68,7 @@ def test_partial_credit_and_binary_threshold():
 
 def test_hanging_crashing_and_raising_scorers_cost_one_zero_reward_each():
     item = RLItem("fake", "q", "a", 7, {})
-    v = Verifier(VerifierConfig(timeout_s=3.0), score_fn=misbehaving)
+    v = Verifier(VerifierConfig(timeout=3.0), score_fn=misbehaving)
     try:
         assert v.score(item, "1.0").reward == 1.0  # also warms the child up
         hang = v.score(item, "hang")
@@ -90,7 +91,7 @@ def test_scorers_that_flood_escape_or_return_garbage_cost_one_zero_reward_each(t
     item = RLItem("fake", "q", "a", 3, {})
     outside = tmp_path / "escaped.txt"
     limits = SandboxLimits(memory_gib=2.0, file_mb=1.0)
-    v = Verifier(VerifierConfig(timeout_s=20.0, limits=limits), score_fn=misbehaving)
+    v = Verifier(VerifierConfig(timeout=20.0, limits=limits), score_fn=misbehaving)
     try:
         assert v.score(item, "1.0").reward == 1.0
         statuses = {answer: v.score(item, answer).status
@@ -109,10 +110,10 @@ def test_scorers_that_flood_escape_or_return_garbage_cost_one_zero_reward_each(t
 
 
 def test_bad_verifier_settings_are_refused():
-    with pytest.raises(ValueError, match="choose binary or partial"):
-        Verifier(VerifierConfig(reward="soft"))
-    with pytest.raises(ValueError, match="must be > 0 seconds"):
-        Verifier(VerifierConfig(timeout_s=0))
+    with pytest.raises(ValueError, match="--reward 'soft': choose from binary, partial"):
+        VerifierConfig(reward="soft")
+    with pytest.raises(ValueError, match="--verifier-timeout 0: must be > 0 seconds"):
+        VerifierConfig(timeout=0)
 
 
 def test_grpo_advantages_by_hand():

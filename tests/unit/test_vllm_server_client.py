@@ -58,7 +58,7 @@ def test_the_backends_init_and_update_info_are_checked():
 def test_the_server_url_is_checked_at_parse():
     url = ["--rollout-engine-url", "http://127.0.0.1:8000"]
     cfg = parse_run_config([*RL, *url], world_size=1)
-    assert cfg.rl.rollout_engine_url == "http://127.0.0.1:8000"
+    assert cfg.rl.rollout.engine_url == "http://127.0.0.1:8000"
     for argv, why in (
             (["--rollout-engine-url", "127.0.0.1:8000"], "as http://HOST:PORT"),
             (["--rollout-engine-url", "http://host"], "as http://HOST:PORT"),

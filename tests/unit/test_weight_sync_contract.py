@@ -30,10 +30,10 @@ def test_every_transport_is_a_flag_choice_with_its_needs():
 
 def test_the_backend_name_has_one_home():
     from megatron_logra.rollout.server_process import server_argv
-    from megatron_logra.rollout.types import EngineConfig
+    from megatron_logra.rollout.types import ServerSpec
     from megatron_logra.weight_sync import vllm_plugin
 
-    argv = server_argv(EngineConfig("/m", 64), 8000, cuda=False)
+    argv = server_argv(ServerSpec("/m", 64), 8000, cuda=False)
     assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": BACKEND}
     assert vllm_plugin.BACKEND is BACKEND
 
