@@ -26,7 +26,7 @@ from megatron_logra.config import RunConfig
 from megatron_logra.data.tasks import generate_items
 from megatron_logra.data.tokenizer import load_tokenizer
 from megatron_logra.rl import advantages as adv
-from megatron_logra.rl import rollouts
+from megatron_logra.rl import prompts_and_scores as scores
 from megatron_logra.rl.policy_loss import RolloutSample
 from megatron_logra.rl.verifiers import Verifier
 from megatron_logra.rollout.engine_link import EngineLink
@@ -144,7 +144,7 @@ class RolloutSource:
         cfg, rl = self.cfg, self.cfg.rl
         tokenizer = load_tokenizer(cfg.model.model_dir, cfg.model.tokenizer_model)
         items = generate_items(cfg.data.tasks, cfg.data.dataset_size, self.data_seed)
-        prompts = rollouts.encode_prompts(items, tokenizer,
+        prompts = scores.encode_prompts(items, tokenizer,
                                           cfg.training.seq_length - rl.max_new_tokens)
         if len(prompts) <= rl.eval_prompts:
             raise ValueError(f"only {len(prompts)} prompts fit --seq-length - --max-new-tokens; "
@@ -190,7 +190,7 @@ class RolloutSource:
 
     def produce_here(self, update: int, version: int,
                      baseline: adv.RunningBaseline) -> tuple[list[RolloutSample], dict]:
-        """Rank 0 alone (no collective: ``rl.rollout_ahead`` runs it beside training):
+        """Rank 0 alone (no collective: ``rl.samples_ahead`` runs it beside training):
         update ``update``'s samples from the engine serving ``version``, their advantages
         against ``baseline`` (which it advances); an engine failure raises EngineError."""
         groups, stats = self._generate_groups(
@@ -217,7 +217,7 @@ class RolloutSource:
                    for k, (p, c) in enumerate(zip(
                        [p for p in prompts for _ in range(rl.responses_per_prompt)],
                        completions))]
-        length, truncated = rollouts.length_stats(completions)
+        length, truncated = scores.length_stats(completions)
         stats.update(reward_mean=float(r.mean()), response_len=length,
                      truncated_frac=truncated, baseline=baseline.value)
         return samples, stats
@@ -235,7 +235,7 @@ class RolloutSource:
         while True:
             prompts = requests = None
             if self.rank == 0:
-                prompts, requests = rollouts.step_requests(
+                prompts, requests = scores.step_requests(
                     self.driver.train_prompts, rl, update, self.data_seed, rounds)
             t0 = time.perf_counter()
             completions = generate(requests, f"rollouts {update + 1}" + (
@@ -249,7 +249,7 @@ class RolloutSource:
         stats: dict = {"rollout_time_s": seconds}
         groups = None
         if self.rank == 0:
-            groups, with_signal = rollouts.fill_groups(kept, dropped, rl.prompts_per_step)
+            groups, with_signal = scores.fill_groups(kept, dropped, rl.prompts_per_step)
             if rl.dynamic_sampling:
                 stats.update(dynamic_sampling_rounds=rounds,
                              dynamic_sampling_signal_groups=with_signal,
@@ -262,12 +262,12 @@ class RolloutSource:
         (no signal under --dynamic-sampling); whether another round is wanted (``rounds``:
         the rounds done before this one)."""
         rl = self.cfg.rl
-        rewards = rollouts.score(self.driver.verifier, self.driver.tokenizer, prompts,
+        rewards = scores.score(self.driver.verifier, self.driver.tokenizer, prompts,
                                  completions, rl.responses_per_prompt)
         g = rl.responses_per_prompt
         for i, prompt in enumerate(prompts):
             group = (prompt, completions[i * g:(i + 1) * g], rewards[i])
-            signal = not rl.dynamic_sampling or rollouts.has_signal(rewards[i])
+            signal = not rl.dynamic_sampling or scores.has_signal(rewards[i])
             (kept if signal else dropped).append(group)
         return (rl.dynamic_sampling and len(kept) < rl.prompts_per_step
                 and rounds + 1 < rl.dynamic_sampling_max_rounds)
@@ -275,16 +275,16 @@ class RolloutSource:
     def evaluate(self, version: int) -> dict:
         """Held-out pass@1 and pass@k at weights ``version`` (every rank)."""
         rl = self.cfg.rl
-        requests = rollouts.eval_requests(self.driver.eval_prompts, rl) if self.rank == 0 else None
+        requests = scores.eval_requests(self.driver.eval_prompts, rl) if self.rank == 0 else None
         completions = self.link.generate(requests, version, "eval")
 
         def score() -> dict:  # rank 0, which holds the verifier
-            rewards = rollouts.score(self.driver.verifier, self.driver.tokenizer,
+            rewards = scores.score(self.driver.verifier, self.driver.tokenizer,
                                      self.driver.eval_prompts, completions, rl.eval_samples)
-            p1, pk = rollouts.pass_at(rewards)
-            length, truncated = rollouts.length_stats(completions)
+            p1, pk = scores.pass_at(rewards)
+            length, truncated = scores.length_stats(completions)
             return {"eval_pass@1": p1, f"eval_pass@{rl.eval_samples}": pk,
                     "eval_response_len": length, "eval_truncated_frac": truncated,
                     # per eval prompt (fixed prompts and seeds): paired gains and their SE
-                    "eval_prompt_pass": rollouts.prompt_pass_rates(rewards)}
+                    "eval_prompt_pass": scores.prompt_pass_rates(rewards)}
         return from_rank0(score)

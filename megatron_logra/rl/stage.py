@@ -11,7 +11,7 @@ trains. ``RLStage.step(update)`` is one update, in this order:
    full, sparse-delta or sketch-delta) and committed.
 
 With ``--async-rollouts`` step 1 takes the batch generated beside the previous update's
-training and starts the next ones (``rl.rollout_ahead``), and the staleness bounds
+training and starts the next ones (``rl.samples_ahead``), and the staleness bounds
 decide each sample's weight in the loss (``rl.staleness``); a batch with nothing left
 trains nothing and pushes nothing.
 
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from megatron_logra.config import RunConfig
 from megatron_logra.rl.policy_loss import RolloutSample
 from megatron_logra.rl.policy_update import PolicyUpdate
-from megatron_logra.rl.rollout_ahead import RolloutAhead
+from megatron_logra.rl.samples_ahead import SamplesAhead
 from megatron_logra.rl.rollout_source import RolloutSource
 from megatron_logra.rl.staleness import UpdateKL, apply_bound
 from megatron_logra.runtime.faults import maybe_fail
@@ -56,7 +56,7 @@ class RLStage:
         self.rank = self.source.rank
         self.version = self.prep.start_step
         rl = cfg.rl
-        self.ahead = RolloutAhead(self.source, cfg.training.train_iters) \
+        self.ahead = SamplesAhead(self.source, cfg.training.train_iters) \
             if rl.staleness.async_rollouts else None
         self.bound = rl.staleness
         self.update_kl = UpdateKL()

@@ -13,7 +13,7 @@ import torch
 
 from megatron_logra.cli import ConfigError, parse_run_config
 from megatron_logra.rl import advantages as adv
-from megatron_logra.rl import rollouts
+from megatron_logra.rl import prompts_and_scores
 from megatron_logra.rl.config import PolicyObjective, RLConfig
 from megatron_logra.rl.objective import objective_terms
 
@@ -123,23 +123,24 @@ def test_dr_grpo_advantages_are_not_scaled_by_std():
 
 
 def test_dynamic_sampling_keeps_groups_with_signal_and_fills_the_rest():
-    assert rollouts.has_signal([0.0, 1.0]) and not rollouts.has_signal([1.0, 1.0, 1.0])
+    has_signal, fill_groups = prompts_and_scores.has_signal, prompts_and_scores.fill_groups
+    assert has_signal([0.0, 1.0]) and not has_signal([1.0, 1.0, 1.0])
     kept, dropped = ["a", "b"], ["x", "y", "z"]
-    assert rollouts.fill_groups(kept, dropped, 4) == (["a", "b", "x", "y"], 2)
-    assert rollouts.fill_groups(kept + ["c", "d", "e"], dropped, 4) == (["a", "b", "c", "d"], 4)
+    assert fill_groups(kept, dropped, 4) == (["a", "b", "x", "y"], 2)
+    assert fill_groups(kept + ["c", "d", "e"], dropped, 4) == (["a", "b", "c", "d"], 4)
 
 
 def test_later_rounds_draw_their_own_prompts_and_seeds():
-    prompts = [rollouts.Prompt(None, [k]) for k in range(50)]
+    prompts = [prompts_and_scores.Prompt(None, [k]) for k in range(50)]
     cfg = RLConfig(prompts_per_step=4, responses_per_prompt=2)  # --rollout-seed 0
-    first, req0 = rollouts.step_requests(prompts, cfg, 3, 11)
-    again, _ = rollouts.step_requests(prompts, cfg, 3, 11, 0)
-    second, req1 = rollouts.step_requests(prompts, cfg, 3, 11, 1)
+    first, req0 = prompts_and_scores.step_requests(prompts, cfg, 3, 11)
+    again, _ = prompts_and_scores.step_requests(prompts, cfg, 3, 11, 0)
+    second, req1 = prompts_and_scores.step_requests(prompts, cfg, 3, 11, 1)
     assert first == again and first != second
     seeds = [r.seed for r in req0 + req1]
     assert len(set(seeds)) == len(seeds) == 16
     # round 0 is the update's batch as before the switches: seeds of prompts 0..P-1
-    assert [r.seed for r in req0] == [rollouts.sample_seed(0, 3, i, j)
+    assert [r.seed for r in req0] == [prompts_and_scores.sample_seed(0, 3, i, j)
                                       for i in range(4) for j in range(2)]
 
 

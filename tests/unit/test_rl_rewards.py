@@ -184,7 +184,7 @@ def test_rollouts_become_aligned_microbatches():
 
 def test_pass_at_k_and_prompt_order():
     from megatron_logra.data.sft import batch_indices
-    from megatron_logra.rl.rollouts import pass_at, sample_seed
+    from megatron_logra.rl.prompts_and_scores import pass_at, sample_seed
 
     p1, pk = pass_at([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.5, 1.0]])
     assert (round(p1, 6), round(pk, 6)) == (round((0.25 + 0 + 0.75) / 3, 6), round(2 / 3, 6))
@@ -198,7 +198,7 @@ def test_pass_at_k_and_prompt_order():
 def test_gains_and_their_standard_errors_match_the_textbook_formulas():
     import statistics
 
-    from megatron_logra.rl.rollouts import prompt_pass_rates
+    from megatron_logra.rl.prompts_and_scores import prompt_pass_rates
     from megatron_logra.rl.stats import mean_gain, paired_gain
 
     assert prompt_pass_rates([[1.0, 0.0, 0.5, 1.0], [0.0, 0.0]]) == [0.5, 0.0]

@@ -1,4 +1,4 @@
-"""Prompts, sampling requests and evaluation: the data side of the RL loop (rank 0).
+"""Prompts, sampling requests, scores and pass@k: the data side of the RL loop (rank 0).
 
 The prompt order is a pure function of (seed, update index), like SFT's sample
 order, so a resumed run draws the same prompts; every sample has its own sampling
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_logra.config import RLConfig
 from megatron_logra.data.sft import batch_indices
 from megatron_logra.data.tokenizer import TextTokenizer
+from megatron_logra.rl.config import RLConfig
 from megatron_logra.rollout.types import Completion, SampleRequest
 from megatron_logra.data.tasks import TaskItem
 from megatron_logra.rl.verifiers import Verifier

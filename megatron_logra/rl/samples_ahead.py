@@ -31,7 +31,7 @@ from megatron_logra.weight_sync.contract import EngineError
 from megatron_logra.runtime.collectives import from_rank0
 
 
-class RolloutAhead:
+class SamplesAhead:
     def __init__(self, source: RolloutSource, train_iters: int):
         self.source, self.train_iters = source, train_iters
         self.rank0 = source.rank == 0
