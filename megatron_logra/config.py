@@ -246,6 +246,11 @@ class RunConfig:
             _check_sft(self)
         _check_optimizer(self.optimizer, self.training)
 
+    @property
+    def data_seed(self) -> int:
+        """The seed of task generation and sample order: --data-seed, default --seed."""
+        return self.data.data_seed if self.data.data_seed is not None else self.training.seed
+
     def check_world_size(self, world_size: int) -> None:
         """Refuse (ValueError) a world size this run's layout or batches do not split over."""
         dp = self.parallel.data_parallel_size(world_size)
