@@ -74,7 +74,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from megatron_logra.weight_sync.config import WeightSyncConfig
-    from megatron_logra.rollout.engine_link import EngineLink
+    from megatron_logra.rollout.engines import EngineLink
     from megatron_logra.rollout.config import EngineConfig
     from megatron_logra.rollout.types import ServerSpec
     from megatron_logra.weight_sync.contract import Transport

@@ -26,7 +26,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from megatron_logra.rl.policy_loss import RolloutSample
-from megatron_logra.rl.rollout_source import RolloutSource
+from megatron_logra.rl.sample_source import RolloutSource
 from megatron_logra.weight_sync.contract import EngineError
 from megatron_logra.runtime.collectives import from_rank0
 

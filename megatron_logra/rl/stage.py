@@ -33,7 +33,7 @@ from megatron_logra.config import RunConfig
 from megatron_logra.rl.policy_loss import RolloutSample
 from megatron_logra.rl.policy_update import PolicyUpdate
 from megatron_logra.rl.samples_ahead import SamplesAhead
-from megatron_logra.rl.rollout_source import RolloutSource
+from megatron_logra.rl.sample_source import RolloutSource
 from megatron_logra.rl.staleness import UpdateKL, apply_bound
 from megatron_logra.runtime.faults import maybe_fail
 from megatron_logra.training.log_sinks import open_metrics_log

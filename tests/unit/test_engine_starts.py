@@ -1,4 +1,4 @@
-"""Engine starts and turns on GPUs the trainer shares (``rollout.engine_link``,
+"""Engine starts and turns on GPUs the trainer shares (``rollout.engines``,
 ``rollout.engine_memory``), checked on CPU in a world of one with stand-in engines:
 
 - every start of a server, the first and each restart after a failure, asks vLLM for the
@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_logra.rollout import engine_link
-from megatron_logra.rollout.engine_link import EngineLink
+from megatron_logra.rollout import engines as engine_link
+from megatron_logra.rollout.engines import EngineLink
 from megatron_logra.rollout.engine_memory import (ENGINE_OVERHEAD_BYTES, GIB, GpuMemory,
                                                  SharedGpuSizer, size_engines)
 from megatron_logra.rollout.placement import EnginePlacement

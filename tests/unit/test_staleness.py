@@ -1,5 +1,5 @@
 """Staleness of asynchronous rollouts (``rl.staleness``) and the fixed split of requests
-over engine replicas (``rollout.engine_link.split_evenly``)."""
+over engine replicas (``rollout.engines.split_evenly``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from megatron_logra.rl.policy_loss import RolloutSample, collate_rollouts
 from megatron_logra.rl.config import StalenessConfig
 from megatron_logra.rl.staleness import UpdateKL, apply_bound
-from megatron_logra.rollout.engine_link import split_evenly
+from megatron_logra.rollout.engines import split_evenly
 
 
 def _sample(version: int) -> RolloutSample:

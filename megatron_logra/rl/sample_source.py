@@ -3,7 +3,7 @@ advantages (rank 0), and the weight pushes that keep the engine on the trainer's
 
 ``RolloutSource`` places the engine (``rollout.placement``), starts rank 0's driver
 (prompts, verifier, the vLLM server's config), links to the engine
-(``rollout.engine_link.EngineLink``, every push through ``weight_sync``) and owns the
+(``rollout.engines.EngineLink``, every push through ``weight_sync``) and owns the
 reward baseline. ``rollout_batch(update)`` samples P prompts x G responses at the
 current version, scores them and computes the advantages (with --dynamic-sampling,
 groups without reward spread are replaced by more generations), and broadcasts the
@@ -29,7 +29,7 @@ from megatron_logra.rl import advantages as adv
 from megatron_logra.rl import prompts_and_scores as scores
 from megatron_logra.rl.policy_loss import RolloutSample
 from megatron_logra.rl.verifiers import Verifier
-from megatron_logra.rollout.engine_link import EngineLink
+from megatron_logra.rollout.engines import EngineLink
 from megatron_logra.rollout.engine_memory import shared_gpu_sizer
 from megatron_logra.rollout.placement import EnginePlacement, plan_placement, split_replicas
 from megatron_logra.rollout.types import ServerSpec
