@@ -127,11 +127,12 @@ def main(argv=None) -> None:
     rows: list[dict] = []
 
     def exact_now() -> bool:
-        return run.source.weights.engine_mismatches(run.engine) == 0
+        return run.sync.engine_mismatches(run.engine) == 0
 
     try:
-        run.source.weights.track_changes()  # the sparse-delta base, recorded by every full push
-        run.push_weights(transport="full")
+        run.sync.track_changes()  # the sparse-delta base, recorded by every full push
+        with run.sync.forcing("full"):
+            run.push_weights()
         exact = True
         for update in range(args.updates):
             transport = ("sketch-delta", "sparse-delta")[update % 2]
@@ -143,14 +144,16 @@ def main(argv=None) -> None:
             if transport == "sketch-delta":
                 _, assembly = _timed(lambda: owned_updates(objs.optimizer))
             before = run.sync_stats.bytes
-            _, delta_time = _timed(lambda: run.push_weights(transport=transport))
+            with run.sync.forcing(transport):
+                _, delta_time = _timed(run.push_weights)
             assert run.sync_stats.last_transport == transport, run.sync_stats.last_transport
             delta_bytes = run.sync_stats.bytes - before
             exact = exact and exact_now()
             _, full_assembly = _timed(lambda: [b for b in full_push(
-                objs.model, arch, run.source.weights.plan, dtype=torch.bfloat16)])
+                objs.model, arch, run.sync.plan, dtype=torch.bfloat16)])
             before = run.sync_stats.bytes
-            _, full_time = _timed(lambda: run.push_weights(transport="full"))  # same weights
+            with run.sync.forcing("full"):
+                _, full_time = _timed(run.push_weights)  # the same weights
             rows.append({"update": update + 1, "transport": transport,
                          "delta_bytes": delta_bytes, "full_bytes": run.sync_stats.bytes - before,
                          "delta_time_s": delta_time, "full_time_s": full_time,

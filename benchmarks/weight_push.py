@@ -74,7 +74,8 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from megatron_logra.weight_sync.config import WeightSyncConfig
-    from megatron_logra.rollout.engines import EngineLink
+    from megatron_logra.rl.synced_engines import SyncedEngines
+    from megatron_logra.rollout.engines import RolloutEngines
     from megatron_logra.rollout.config import EngineConfig
     from megatron_logra.rollout.types import ServerSpec
     from megatron_logra.weight_sync.contract import Transport
@@ -108,8 +109,9 @@ def worker(args) -> None:
     cfg = ServerSpec(folder, max_model_len=128, max_num_seqs=4,
                      engine=EngineConfig(dtype="bfloat16", kv_cache_gib=0.25,
                                          tensor_parallel_size=args.engine_tp))
-    link = EngineLink(sync, [cfg] if rt.rank == 0 else None)
-    link.push(0, Transport.FULL)  # start-up: the server on dummy weights, then these
+    link = SyncedEngines(RolloutEngines([cfg] if rt.rank == 0 else None), sync)
+    with sync.forcing(Transport.FULL):  # start-up: the server on dummy weights, then these
+        link.push(0)
     rows = []
     try:
         for update in range(args.updates):
@@ -120,7 +122,7 @@ def worker(args) -> None:
                 rows.append(_timed_push(link, version, transport))
                 if rt.rank == 0:
                     print(f"[weight_push] {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
-        bad, failed = link.sync.full.mismatches(link.engine)  # vLLM's checksums (collective)
+        bad, failed = link.sync.full.mismatches(link.engines.server)  # vLLM's checksums (collective)
         exact = not failed and bad == []
     finally:
         link.close()
@@ -138,7 +140,8 @@ def _timed_push(link, version: int, transport: str) -> dict:
     before_bytes, before_own = link.stats.bytes, direct.sent_here
     dist.barrier()
     start = time.perf_counter()
-    link.push(version, transport)
+    with link.sync.forcing(transport):
+        link.push(version)
     dist.barrier()
     seconds = time.perf_counter() - start
     if link.sync.stats.last_transport != transport:

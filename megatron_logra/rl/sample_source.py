@@ -1,23 +1,18 @@
-"""Where an RL update's samples come from: the engine, the verifier, the prompts, the
-advantages (rank 0), and the weight pushes that keep the engine on the trainer's weights.
+"""Where an RL update's samples come from: prompts, generation, scoring, advantages and
+evaluation (the engines' side is ``rl.synced_engines``).
 
-``RolloutSource`` places the engine (``rollout.placement``), starts rank 0's driver
-(prompts, verifier, the vLLM server's config), links to the engine
-(``rollout.engines.EngineLink``, every push through ``weight_sync``) and owns the
+``SampleSource`` starts rank 0's driver (tokenizer, prompts, verifier) and owns the
 reward baseline. ``rollout_batch(update)`` samples P prompts x G responses at the
-current version, scores them and computes the advantages (with --dynamic-sampling,
-groups without reward spread are replaced by more generations), and broadcasts the
-samples to every rank; ``evaluate()`` scores the held-out prompts (pass@1, pass@k).
-Collective: every rank calls every method.
+current version from the engines (``SyncedEngines.generate``), scores them and computes
+the advantages (with --dynamic-sampling, groups without reward spread are replaced by
+more generations), and broadcasts the samples to every rank; ``evaluate()`` scores the
+held-out prompts (pass@1, pass@k). Collective: every rank calls every method.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,103 +23,33 @@ from megatron_logra.data.tokenizer import load_tokenizer
 from megatron_logra.rl import advantages as adv
 from megatron_logra.rl import prompts_and_scores as scores
 from megatron_logra.rl.policy_loss import RolloutSample
+from megatron_logra.rl.synced_engines import SyncedEngines
 from megatron_logra.rl.verifiers import Verifier
-from megatron_logra.rollout.engines import EngineLink
-from megatron_logra.rollout.engine_memory import shared_gpu_sizer
-from megatron_logra.rollout.placement import EnginePlacement, plan_placement, split_replicas
-from megatron_logra.rollout.types import ServerSpec
 from megatron_logra.runtime.collectives import from_rank0
-from megatron_logra.runtime.device import current_device, node_devices
-from megatron_logra.training.build import TrainingObjects
-from megatron_logra.weight_sync.sync import WeightSync
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
 class _Driver:
-    """Rank 0's engine config, verifier and prompts (None elsewhere)."""
+    """Rank 0's verifier, prompts and tokenizer (None elsewhere)."""
 
-    engine_cfgs: list[ServerSpec]  # one per --rollout-replicas
     verifier: Verifier
     train_prompts: list
     eval_prompts: list
     tokenizer: object
 
 
-class RolloutSource:
-    def __init__(self, cfg: RunConfig, objs: TrainingObjects):
-        self.cfg, self.rank = cfg, dist.get_rank()
-        rl, opt = cfg.rl, cfg.optimizer
-        self.replica_placements: list[EnginePlacement] = []  # rank 0: each engine's
-        self.placement = self._place_engine()
-        self.weights = WeightSync(rl.weight_sync, objs.model, objs.arch,
-                                  _DTYPES[rl.rollout.dtype], optimizer=objs.optimizer,
-                                  lora=opt.lora if opt.peft == "lora" else None,
-                                  engine_tp=rl.rollout.tensor_parallel_size,
-                                  group_backend="gloo" if self.placement.shares_trainer_gpus
-                                  else None)
-        self.baseline = adv.RunningBaseline(rl.baseline_decay)
+class SampleSource:
+    def __init__(self, cfg: RunConfig, engines: SyncedEngines):
+        """``engines``: where the samples are generated, on the trainer's weights."""
+        self.cfg, self.rank, self.engines = cfg, dist.get_rank(), engines
+        self.baseline = adv.RunningBaseline(cfg.rl.baseline_decay)
         self.driver = self._start_driver_everywhere()
-        self.link = EngineLink(self.weights, self.driver.engine_cfgs if self.driver else None,
-                               sleep_mode=self.placement.sleep_mode,
-                               replicas=rl.rollout.replicas,
-                               sizer=shared_gpu_sizer(rl.rollout, objs.arch, self.placement,
-                                                      self.replica_placements))
-
-    @property
-    def engine(self):
-        """Rank 0's ``VllmServer`` (None elsewhere, and before the first push)."""
-        return self.link.engine
-
-    def push(self, version: int, transport: str | None = None) -> None:
-        """Push the trainer's weights as ``version``; ``transport`` forces one (tests,
-        benchmarks)."""
-        self.link.push(version, transport)
-
-    def engine_mismatches(self) -> int | None:
-        """The tensors the engines hold differently from the trainer, summed over the
-        engines (vLLM's checksums; collective); None when a check failed."""
-        counts = []
-        for replica in range(self.link.replicas):
-            self.weights.use(replica)
-            counts.append(self.weights.engine_mismatches(self.link.engines[replica]))
-        return None if None in counts else sum(counts)
 
     def close(self) -> None:
-        self.link.close()
         if self.driver is not None:
             self.driver.verifier.close()
 
     # --- set-up --------------------------------------------------------------------------
-    def _place_engine(self) -> EnginePlacement:
-        """Rank 0 plans where the engine runs on its node (``rollout.placement``; a refusal
-        is raised on every rank), and node 0's trainer ranks keep off a dedicated
-        engine's CPU cores."""
-        rl = self.cfg.rl
-        cuda = current_device().type == "cuda"
-
-        def plan() -> EnginePlacement:
-            whole = plan_placement(
-                rl.rollout.placement, rl.rollout.devices,
-                engine_tp=rl.rollout.tensor_parallel_size, cuda=cuda,
-                node_devices=node_devices(),
-                local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                remote_engine=bool(rl.rollout.engine_url), replicas=rl.rollout.replicas)
-            self.replica_placements = split_replicas(
-                whole, rl.rollout.replicas, rl.rollout.tensor_parallel_size, cuda=cuda,
-                node_devices=node_devices(), visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
-            return whole
-        placement = from_rank0(plan)
-        if placement.trainer_cores and os.environ.get("GROUP_RANK", "0") == "0":
-            os.sched_setaffinity(0, placement.trainer_cores)
-        if self.rank == 0 and (placement.note or placement.devices):
-            kind = "cores" if placement.trainer_cores else "GPUs"
-            print(placement.note or f"rollout engine on {kind} {list(placement.devices)} of "
-                  f"node 0, dedicated", flush=True)
-        return placement
-
     def _start_driver_everywhere(self) -> _Driver | None:
         """Rank 0 builds the driver; a failure there (bad task data, no prompts fit) is
         raised on every rank, so no rank waits in a collective for a rank that died."""
@@ -143,45 +68,24 @@ class RolloutSource:
     def _start_driver(self) -> _Driver:
         cfg, rl = self.cfg, self.cfg.rl
         tokenizer = load_tokenizer(cfg.model.model_dir, cfg.model.tokenizer_model)
-        items = generate_items(cfg.data.tasks, cfg.data.dataset_size, self.data_seed)
+        items = generate_items(cfg.data.tasks, cfg.data.dataset_size, cfg.data_seed)
         prompts = scores.encode_prompts(items, tokenizer,
-                                          cfg.training.seq_length - rl.max_new_tokens)
+                                        cfg.training.seq_length - rl.max_new_tokens)
         if len(prompts) <= rl.eval_prompts:
             raise ValueError(f"only {len(prompts)} prompts fit --seq-length - --max-new-tokens; "
                              f"raise --dataset-size or --seq-length (need > --eval-prompts)")
-        init_dir = str(self._engine_init_dir())
-        engine_cfgs = [ServerSpec(
-            init_dir, max_model_len=cfg.training.seq_length, engine=rl.rollout,
-            lora_rank=self.weights.engine_lora_rank, env=tuple(placed.env.items()),
-            cpu_cores=placed.engine_cores, sleep_mode=placed.sleep_mode, replica=replica)
-            for replica, placed in enumerate(self.replica_placements)]
         print(f"{len(prompts) - rl.eval_prompts} train / {rl.eval_prompts} eval prompts",
               flush=True)
         verifier = Verifier(rl.verifier)
-        return _Driver(engine_cfgs, verifier, prompts[rl.eval_prompts:], prompts[:rl.eval_prompts],
+        return _Driver(verifier, prompts[rl.eval_prompts:], prompts[:rl.eval_prompts],
                        tokenizer)
-
-    @property
-    def data_seed(self) -> int:
-        d = self.cfg.data
-        return d.data_seed if d.data_seed is not None else self.cfg.training.seed
-
-    def _engine_init_dir(self) -> Path:
-        """config + tokenizer of the model folder; the weights come with the first push."""
-        out = Path(self.cfg.output_dir) / "engine_init"
-        out.mkdir(parents=True, exist_ok=True)
-        for f in Path(self.cfg.model.model_dir).iterdir():
-            if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".gguf")) \
-                    and not f.name.endswith(".index.json"):
-                shutil.copy2(f, out / f.name)
-        return out
 
     # --- samples -------------------------------------------------------------------------
     def rollout_batch(self, update: int, version: int) -> tuple[list[RolloutSample], dict]:
         """Update ``update``'s samples (every rank) generated at weights ``version``, and
         the rollout's figures (collective: a failed engine is restarted and resynced)."""
         groups, stats = self._generate_groups(
-            update, lambda requests, phase: self.link.generate(requests, version, phase),
+            update, lambda requests, phase: self.engines.generate(requests, version, phase),
             from_rank0)
         samples, stats = from_rank0(lambda: self._samples(groups, stats, version,
                                                           self.baseline))
@@ -194,7 +98,7 @@ class RolloutSource:
         update ``update``'s samples from the engine serving ``version``, their advantages
         against ``baseline`` (which it advances); an engine failure raises EngineError."""
         groups, stats = self._generate_groups(
-            update, lambda requests, phase: self.link.generate_here(requests, version, phase),
+            update, lambda requests, phase: self.engines.generate_here(requests, version, phase),
             lambda decide: decide())
         return self._samples(groups, stats, version, baseline)
 
@@ -236,7 +140,7 @@ class RolloutSource:
             prompts = requests = None
             if self.rank == 0:
                 prompts, requests = scores.step_requests(
-                    self.driver.train_prompts, rl, update, self.data_seed, rounds)
+                    self.driver.train_prompts, rl, update, self.cfg.data_seed, rounds)
             t0 = time.perf_counter()
             completions = generate(requests, f"rollouts {update + 1}" + (
                 f" round {rounds + 1}" if rounds else ""))
@@ -263,7 +167,7 @@ class RolloutSource:
         the rounds done before this one)."""
         rl = self.cfg.rl
         rewards = scores.score(self.driver.verifier, self.driver.tokenizer, prompts,
-                                 completions, rl.responses_per_prompt)
+                               completions, rl.responses_per_prompt)
         g = rl.responses_per_prompt
         for i, prompt in enumerate(prompts):
             group = (prompt, completions[i * g:(i + 1) * g], rewards[i])
@@ -276,11 +180,11 @@ class RolloutSource:
         """Held-out pass@1 and pass@k at weights ``version`` (every rank)."""
         rl = self.cfg.rl
         requests = scores.eval_requests(self.driver.eval_prompts, rl) if self.rank == 0 else None
-        completions = self.link.generate(requests, version, "eval")
+        completions = self.engines.generate(requests, version, "eval")
 
         def score() -> dict:  # rank 0, which holds the verifier
             rewards = scores.score(self.driver.verifier, self.driver.tokenizer,
-                                     self.driver.eval_prompts, completions, rl.eval_samples)
+                                   self.driver.eval_prompts, completions, rl.eval_samples)
             p1, pk = scores.pass_at(rewards)
             length, truncated = scores.length_stats(completions)
             return {"eval_pass@1": p1, f"eval_pass@{rl.eval_samples}": pk,

@@ -3,20 +3,21 @@
 Rank 0 drives the rollout engine (vLLM's own server) and the verifier; every rank
 trains. ``RLStage.step(update)`` is one update, in this order:
 
-1. ``RolloutSource.rollout_batch``: P prompts x G responses from the engine, which serves
+1. ``SampleSource.rollout_batch``: P prompts x G responses from the engines, which serve
    exactly the trainer's current weights (version = updates done), scored, with their
    advantages, on every rank;
 2. ``PolicyUpdate.train``: the policy-gradient step(s) (dense Adam, LoRA or LoGRA);
-3. the version moves on and the new weights are pushed to the engines (``weight_sync``:
-   full, sparse-delta or sketch-delta) and committed.
+3. the version moves on and the new weights are pushed to the engines
+   (``SyncedEngines.push``, through ``weight_sync``: full, sparse-delta, sketch-delta or
+   lora-adapter) and committed.
 
 With ``--async-rollouts`` step 1 takes the batch generated beside the previous update's
 training and starts the next ones (``rl.samples_ahead``), and the staleness bounds
 decide each sample's weight in the loss (``rl.staleness``); a batch with nothing left
 trains nothing and pushes nothing.
 
-If the engine dies or fails a request, rank 0 restarts it, the job pushes the weights
-again, and the update goes on. Evaluations (pass@1, pass@k on held-out prompts) run
+If an engine dies or fails a request, rank 0 restarts it (``rollout.engines``), the job
+pushes the weights again (``rl.synced_engines``), and the update goes on. Evaluations (pass@1, pass@k on held-out prompts) run
 before training, every ``--eval-interval`` updates and at the end (``after``).
 ``training.trainer.run_stage`` runs the updates, logs, and checkpoints the policy, the
 optimizer and the resumable parts: the scheduler, the reward baseline and the KL
@@ -32,9 +33,10 @@ from collections.abc import Callable
 from megatron_logra.config import RunConfig
 from megatron_logra.rl.policy_loss import RolloutSample
 from megatron_logra.rl.policy_update import PolicyUpdate
+from megatron_logra.rl.sample_source import SampleSource
 from megatron_logra.rl.samples_ahead import SamplesAhead
-from megatron_logra.rl.sample_source import RolloutSource
 from megatron_logra.rl.staleness import UpdateKL, apply_bound
+from megatron_logra.rl.synced_engines import SyncedEngines
 from megatron_logra.runtime.faults import maybe_fail
 from megatron_logra.training.log_sinks import open_metrics_log
 from megatron_logra.training.prepare import prepare_training
@@ -48,7 +50,8 @@ class RLStage:
         self.cfg = cfg
         self.prep = prepare_training(cfg)
         self.objs = self.prep.objs
-        self.source = RolloutSource(cfg, self.objs)
+        self.engines = SyncedEngines.start(cfg, self.objs)
+        self.source = SampleSource(cfg, self.engines)
         self.policy = PolicyUpdate(cfg, self.objs, self.prep.pad_id)
         self.prep.resumable.register("rl_baseline", self.source.baseline)
         if self.policy.kl_step is not None:
@@ -64,18 +67,28 @@ class RLStage:
 
     @property
     def engine(self):
-        """Rank 0's ``VllmServer`` (None elsewhere)."""
-        return self.source.engine
+        """Rank 0's first ``VllmServer`` (None elsewhere)."""
+        return self.engines.engines.server
+
+    @property
+    def sync(self):
+        """The trainer's side of weight sync (``weight_sync.sync.WeightSync``)."""
+        return self.engines.sync
 
     @property
     def sync_stats(self):
         """The weight pushes' running figures (``weight_sync.sync.SyncStats``)."""
-        return self.source.weights.stats
+        return self.engines.stats
 
-    def push_weights(self, transport: str | None = None) -> None:
-        """Push the trainer's weights as version ``self.version``; ``transport`` forces one
-        (tests, benchmarks)."""
-        self.source.push(self.version, transport)
+    @property
+    def engine_restarts(self) -> int:
+        """The engines restarted after a failure so far."""
+        return self.engines.engines.restarts
+
+    def push_weights(self) -> None:
+        """Push the trainer's weights as version ``self.version`` (a test or a benchmark
+        forces a transport with ``self.sync.forcing``)."""
+        self.engines.push(self.version)
 
     def rollout_batch(self, update: int) -> tuple[list[RolloutSample], dict]:
         return self.source.rollout_batch(update, self.version)
@@ -86,15 +99,13 @@ class RLStage:
     def evaluate(self) -> dict:
         return self.source.evaluate(self.version)
 
-    def step(self, update: int, adjust_samples: AdjustSamples | None = None,
-             transport: str | None = None) -> dict:
+    def step(self, update: int, adjust_samples: AdjustSamples | None = None) -> dict:
         """One update (0-based ``update``); ``adjust_samples`` may change the samples
-        between rollout and training (tests force advantages on an untrained model),
-        ``transport`` forces the push's."""
+        between rollout and training (tests force advantages on an untrained model)."""
         maybe_fail("rollout", update + 1)
         if self.ahead is None:
             samples, record = self.rollout_batch(update)
-            self.source.link.release()  # colocated engines give the devices to the trainer
+            self.engines.release()  # colocated engines give the devices to the trainer
         else:
             samples, record = self._take_ahead(update)
         if adjust_samples is not None:
@@ -111,11 +122,11 @@ class RLStage:
         stats = self.sync_stats
         before = (stats.bytes, stats.seconds)
         maybe_fail("sync", update + 1)
-        self.push_weights(transport)
+        self.push_weights()
         record.update(sync_bytes=stats.bytes - before[0], sync_time_s=stats.seconds - before[1],
                       sync_transport=stats.last_transport,
                       checksum_mismatches=stats.checksum_mismatches,
-                      engine_restarts=stats.restarts)
+                      engine_restarts=self.engine_restarts)
         return record
 
     def _take_ahead(self, update: int) -> tuple[list[RolloutSample], dict]:
@@ -134,7 +145,7 @@ class RLStage:
         tell) and an evaluation; every --eval-interval updates: an evaluation."""
         record: dict = {}
         if last:
-            mismatches = self.source.engine_mismatches()
+            mismatches = self.engines.mismatches()
             if mismatches is not None:
                 record["engine_weight_mismatches"] = mismatches
         interval = self.cfg.rl.eval_interval
@@ -145,6 +156,7 @@ class RLStage:
     def close(self) -> None:
         if self.ahead is not None:
             self.ahead.close()
+        self.engines.close()
         self.source.close()
 
 

@@ -9,7 +9,7 @@ utilization is therefore sized from what those GPUs have free (measured by the t
 ranks on them after releasing their cached blocks), less a margin for the engine
 process's own CUDA context, and a start that cannot fit is refused before vLLM is asked,
 with the settings to change. It is measured again before every start of a server
-(``SharedGpuSizer``, called by ``engine_link`` where every rank takes part): a restart
+(``SharedGpuSizer``, called by ``rollout.engines`` where every rank takes part): a restart
 after the first update meets Adam's state and the allocator's cache, which the first
 start did not, and each of several colocated engines is sized from its own GPUs
 (``engine_gpus``). The sizing is pure arithmetic (``size_engines``); the measuring is one
@@ -92,7 +92,7 @@ def size_engines(reports: list, placements: list, replicas: list[int], engine_tp
 
 class SharedGpuSizer:
     """``sizer(replicas)``: collective, vLLM's ``gpu_memory_utilization`` for each of
-    ``replicas`` about to start (``engine_link``): every rank frees its cached blocks and
+    ``replicas`` about to start (``rollout.engines``): every rank frees its cached blocks and
     reports its GPU's free memory now; rank 0 sizes each engine from its own GPUs
     (``size_engines``), and a refusal is raised on every rank."""
 

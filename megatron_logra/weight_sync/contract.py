@@ -150,6 +150,10 @@ class PushTarget(Protocol):
     """What a push needs from an engine (trainer rank 0 holds it): the methods
     ``weight_sync`` calls, each raising ``EngineError`` when the engine fails."""
 
+    start_id: int
+    """Which start of the engine this is: a fresh one (restarted) needs the weight group
+    joined again (``channel.DirectChannel.join``)."""
+
     @property
     def version(self) -> int:
         """The weight version the engine serves (-1 before the first push)."""

@@ -1,17 +1,20 @@
 """``WeightSync``: one push per update, over the transport ``--weight-sync`` asks for.
 
 ``WeightSync.push(engine, version)`` picks the transport (the same on every rank: rank
-0 decides and broadcasts), runs it (``full_push``, ``sparse_delta_push``, ``sketch_delta_push``, ``lora_adapter_push``) and returns what happened. A delta
-needs the engine at exactly the previous version (and, for sparse, senders whose last
-sent tensors are that version); otherwise, on an anchor update
-(``--weight-sync-anchor-interval``) and after a refusal, the push is full. Every
-``--weight-sync-verify-interval``-th delta push is followed by a check of the server's
-weights against the trainer's (vLLM's checksums); a mismatching tensor is resent in full
-and counted.
+0 decides and broadcasts), runs it (``full_push``, ``sparse_delta_push``,
+``sketch_delta_push``, ``lora_adapter_push``) and returns what happened
+(``contract.Delivery``); the engine is a ``contract.PushTarget``. A delta needs the
+engine at exactly the previous version (and, for sparse, senders whose last sent tensors
+are that version); otherwise, on an anchor update (``--weight-sync-anchor-interval``)
+and after a refusal, the push is full. Every ``--weight-sync-verify-interval``-th delta
+push is followed by a check of the server's weights against the trainer's (vLLM's
+checksums); a mismatching tensor is resent in full and counted. A push that fails says
+so; the caller restarts the engine (``rl.synced_engines``: never this package).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,9 +32,10 @@ from megatron_logra.weight_sync.transport import TrainerWeights
 
 @dataclass
 class SyncStats:
+    """The pushes' running figures (every rank; ``bytes``: rank 0's count)."""
+
     bytes: int = 0
     seconds: float = 0.0
-    restarts: int = 0
     pushes: int = 0
     delta_pushes: int = 0
     checksum_mismatches: int = 0
@@ -75,6 +79,7 @@ class WeightSync:
                                       group_backend=group_backend)
         self.rank = self.weights.rank
         self.stats = SyncStats()
+        self.forced: Transport | None = None  # ``forcing``'s transport
         self.full = FullPush(self.weights)
         self.deltas = {}
         self.adapter = None
@@ -85,8 +90,6 @@ class WeightSync:
         elif adapter_mode:
             self.adapter = self.deltas[Transport.LORA_ADAPTER] = LoraAdapterPush(self.weights,
                                                                                 lora)
-        self.engine_lora_rank = lora.rank if adapter_mode else 0
-        """The LoRA rank the engine must serve (``EngineConfig.lora_rank``; 0: none)."""
 
     # what tests and benchmarks read of the trainer's weights
     @property
@@ -105,6 +108,17 @@ class WeightSync:
         """Make sparse deltas possible (forced ones too): record what full pushes send."""
         self.deltas.setdefault(Transport.SPARSE_DELTA, SparseDeltaPush(self.weights))
 
+    @contextmanager
+    def forcing(self, transport: str):
+        """Within it every push asks for ``transport`` instead of ``--weight-sync``'s (tests,
+        benchmarks; a delta still needs the engine at the previous version, and a delta
+        transport this run did not set up is refused)."""
+        before, self.forced = self.forced, Transport(transport)
+        try:
+            yield
+        finally:
+            self.forced = before
+
     def use(self, replica: int) -> None:
         """The next pushes and checks go to engine ``replica`` (its own weight group)."""
         self.weights.direct.use(replica)
@@ -120,10 +134,10 @@ class WeightSync:
         return None if bad is None else len(bad)
 
     # --- one push --------------------------------------------------------------------------
-    def push(self, engine: PushTarget | None, version: int, transport: str | None = None) -> Delivery:
-        """Push the trainer's weights as ``version``; ``transport`` forces one (tests,
-        benchmarks; a delta still needs the engine at the previous version)."""
-        chosen = self._choose(engine, version, transport)
+    def push(self, engine: PushTarget | None, version: int) -> Delivery:
+        """Push the trainer's weights as ``version`` (the transport ``--weight-sync`` asks
+        for, or ``forcing``'s, when a delta can be used: ``choose_transport``)."""
+        chosen = self._choose(engine, version, self.forced)
         self.stats.last_transport = chosen
         if chosen != Transport.FULL:
             result = self._push_delta(engine, version, self.deltas[chosen])
@@ -146,7 +160,7 @@ class WeightSync:
                 return Transport.FULL
             try:
                 serving = engine.version
-            except EngineError:  # the server died: the full push fails, the link restarts it
+            except EngineError:  # the server died: the full push fails, the caller restarts it
                 return Transport.FULL
             base = version - 1 if delta is not None and delta.ready(version) else None
             return choose_transport(wanted, version=version, engine_version=serving,

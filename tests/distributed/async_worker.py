@@ -33,12 +33,12 @@ def main() -> None:
 
     out_path, argv = sys.argv[1], sys.argv[2:]
     run = RLStage(parse_run_config(argv))
-    link, weights = run.source.link, run.source.weights
+    link, weights = run.engines.engines, run.sync
     result = {"steps": [], "start": _engines(run, link, weights)}
     own_bound = run.bound
     for update in range(run.cfg.training.train_iters):
         if update == 2 and dist.get_rank() == 0:
-            link.engines[0].kill_for_test()
+            link.servers[0].kill_for_test()
         if update == 4:
             run.bound = replace(own_bound, max_staleness_kl=1e-12)
         seen: dict = {}
@@ -55,7 +55,7 @@ def main() -> None:
         result["steps"].append({"record": record, "version_before": version_before,
                                 "version_after": run.version, **seen,
                                 "engines": _engines(run, link, weights)})
-    result["restarts"] = run.sync_stats.restarts
+    result["restarts"] = run.engine_restarts
     close_and_write(run, result, out_path)
 
 
@@ -65,11 +65,11 @@ def _engines(run, link, weights) -> dict:
     mismatches = []
     for replica in range(link.replicas):
         weights.use(replica)
-        mismatches.append(weights.engine_mismatches(link.engines[replica]))
+        mismatches.append(weights.engine_mismatches(link.servers[replica]))
     if dist.get_rank() != 0:
         return {}
-    sums = [engine.checksums() for engine in link.engines]
-    return {"versions": [e.version for e in link.engines], "mismatches": mismatches,
+    sums = [engine.checksums() for engine in link.servers]
+    return {"versions": [e.version for e in link.servers], "mismatches": mismatches,
             "checksums_equal": all(s == sums[0] for s in sums), "trainer": run.version}
 
 

@@ -55,14 +55,14 @@ TRANSPORTS = ["sparse-delta", "sketch-delta", "sketch-delta", "full"]
 def _trainer_hf(run) -> dict[str, torch.Tensor]:
     from megatron_logra.weight_sync.full_weights import full_push
 
-    return {n: t for bucket in full_push(run.objs.model, run.objs.arch, run.source.weights.plan,
+    return {n: t for bucket in full_push(run.objs.model, run.objs.arch, run.sync.plan,
                                          dtype=torch.bfloat16) for n, t in bucket}
 
 
 def _differing(run) -> list[str] | None:
     """The HF tensors the server holds differently from the trainer (rank 0): vLLM's
     checksums against the ones the trainer's weights make."""
-    names, failed = run.source.weights.full.mismatches(run.engine)
+    names, failed = run.sync.full.mismatches(run.engine)
     assert not failed, failed
     return names if dist.get_rank() == 0 else None
 
@@ -87,13 +87,14 @@ def _check_layout(argv: list[str], kill_engine: bool = False) -> dict:
     run = RLStage(parse_run_config(argv))
     out = {"transports": [], "bytes": [], "differing": []}
     try:
-        run.source.weights.track_changes()  # the sparse-delta base: recorded by the next full push
-        run.push_weights(transport="full")
+        run.sync.track_changes()  # the sparse-delta base: recorded by the next full push
+        with run.sync.forcing("full"):
+            run.push_weights()
         for update, transport in enumerate(TRANSPORTS):
             if kill_engine and update == KILL_BEFORE_UPDATE and dist.get_rank() == 0:
                 run.engine.kill_for_test()
-            record = run.step(update, adjust_samples=plus_minus_advantages,
-                              transport=transport)
+            with run.sync.forcing(transport):  # this update's push
+                record = run.step(update, adjust_samples=plus_minus_advantages)
             out["transports"].append(record["sync_transport"])
             out["bytes"].append(record["sync_bytes"])
             out["differing"].append(_differing(run))
@@ -108,7 +109,7 @@ def _check_layout(argv: list[str], kill_engine: bool = False) -> dict:
             out["refused"] = _refused(run)
             out["serving_after_refusal"] = run.engine.version == run.version
         out["checksum_mismatches"] = run.sync_stats.checksum_mismatches
-        out["restarts"] = run.sync_stats.restarts
+        out["restarts"] = run.engine_restarts
     finally:
         run.close()
     return out

@@ -44,10 +44,14 @@ def _members(cls) -> dict[str, object]:
 
 
 def test_the_vllm_server_client_implements_what_a_push_needs():
+    """Its methods and properties by their parameters; its attributes (``start_id``) as
+    the client sets them."""
     from megatron_logra.rollout.vllm_server import VllmServer
 
     wanted = _members(PushTarget)
     assert len(wanted) == 8, sorted(wanted)
+    for name in PushTarget.__annotations__:
+        assert f"self.{name} = " in inspect.getsource(VllmServer), name
     for name, member in wanted.items():
         mine = inspect.getattr_static(VllmServer, name)
         assert isinstance(mine, property) == isinstance(member, property), name
