@@ -18,8 +18,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from megatron_logra.config import (CheckpointConfig, DataConfig, LoggingConfig, ModelSource,
-                                   OptimizerConfig, RunConfig, TrainingConfig)
+from megatron_logra.checkpoint.config import CheckpointConfig
+from megatron_logra.config import (DataConfig, LoggingConfig, ModelSource, OptimizerConfig,
+                                   RunConfig, TrainingConfig)
 from megatron_logra.config_file import ConfigFileError, resolve
 from megatron_logra.flags import add_flags, from_flags
 from megatron_logra.kl.config import KLControlConfig

@@ -17,9 +17,10 @@ decide each sample's weight in the loss (``rl.staleness``); a batch with nothing
 trains nothing and pushes nothing.
 
 If an engine dies or fails a request, rank 0 restarts it (``rollout.engines``), the job
-pushes the weights again (``rl.synced_engines``), and the update goes on. Evaluations (pass@1, pass@k on held-out prompts) run
-before training, every ``--eval-interval`` updates and at the end (``after``).
-``training.trainer.run_stage`` runs the updates, logs, and checkpoints the policy, the
+pushes the weights again (``rl.synced_engines``), and the update goes on. Evaluations
+(pass@1, pass@k on held-out prompts) run before training, every ``--eval-interval``
+updates and at the end (``after``). ``training.trainer.run_stage`` runs the updates and
+logs; the run's ``checkpoint.manager.CheckpointManager`` checkpoints the policy, the
 optimizer and the resumable parts: the scheduler, the reward baseline and the KL
 controller (prompts and sampling seeds are functions of the update index), so a resumed
 run continues where it stopped.
@@ -53,9 +54,9 @@ class RLStage:
         self.engines = SyncedEngines.start(cfg, self.objs)
         self.source = SampleSource(cfg, self.engines)
         self.policy = PolicyUpdate(cfg, self.objs, self.prep.pad_id)
-        self.prep.resumable.register("rl_baseline", self.source.baseline)
+        self.prep.checkpoints.register("rl_baseline", self.source.baseline)
         if self.policy.kl_step is not None:
-            self.prep.resumable.register("kl_controller", self.policy.kl_step.controller)
+            self.prep.checkpoints.register("kl_controller", self.policy.kl_step.controller)
         self.rank = self.source.rank
         self.version = self.prep.start_step
         rl = cfg.rl
@@ -169,6 +170,6 @@ def run_rl(cfg: RunConfig) -> RunResult:
                 log.write(record)
                 if stage.rank == 0:
                     print(f"eval before training: {json.dumps(record)}", flush=True)
-            return run_stage(stage, stage.prep, cfg.training, cfg.checkpoint, log)
+            return run_stage(stage, stage.prep, cfg.training, log)
     finally:
         stage.close()

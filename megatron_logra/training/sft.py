@@ -61,4 +61,4 @@ def run_sft(cfg: RunConfig) -> RunResult:
                                                     cfg.model.tokenizer_model))
     prep = prepare_training(cfg)
     with open_metrics_log(cfg, dist.get_rank() == 0, prep.start_step) as log:
-        return run_stage(SFTStage(cfg, prep, batches), prep, cfg.training, cfg.checkpoint, log)
+        return run_stage(SFTStage(cfg, prep, batches), prep, cfg.training, log)
