@@ -32,10 +32,11 @@ from pathlib import Path
 
 from _results import mib, save
 
+from megatron_logra.memory.shapes import SHAPES, hf_config
+
 REPO = Path(__file__).resolve().parents[1]
 
-SHAPE = dict(family="llama", hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=4,
-             intermediate_size=2816, vocab_size=32000, tie_word_embeddings=False)
+SHAPE = "llama-160m"  # memory.shapes.SHAPES
 TRANSPORTS = ("sketch-delta", "sparse-delta", "full")
 
 
@@ -55,10 +56,7 @@ def parse(argv=None) -> argparse.Namespace:
 def _engine_dir(root: Path) -> str:
     """The server's folder: the shape's config.json and the packaged tiny tokenizer (no
     rollouts here; the server starts on dummy weights, the first push brings them)."""
-    from megatron_logra.model.tiny_assets import tiny_hf_config
-
-    kw = dict(SHAPE)
-    config = tiny_hf_config(kw.pop("family"), **kw)
+    config = hf_config(SHAPE)
     tokenizer = REPO / "megatron_logra" / "assets" / "tiny-llama"
     folder = root / "engine_init"
     folder.mkdir(parents=True, exist_ok=True)
@@ -190,8 +188,9 @@ def main(argv=None) -> None:
         runs.append({"engine_tp": engine_tp, "exact": got["exact"],
                      "summary": _summary(got["rows"]), "rows": got["rows"]})
         params = got["params"]
-    report = {"benchmark": "weight_push", "shape": SHAPE, "params": params, "tp": args.tp,
-              "pp": args.pp, "updates": args.updates, "logra_rank": args.rank, "runs": runs}
+    report = {"benchmark": "weight_push", "shape": SHAPES[SHAPE], "params": params,
+              "tp": args.tp, "pp": args.pp, "updates": args.updates, "logra_rank": args.rank,
+              "runs": runs}
     if args.save:
         save(args.save, report, _table(report))
     print(_table(report))
