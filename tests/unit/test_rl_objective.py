@@ -43,13 +43,19 @@ def _r(i, t):
     return math.exp(LOGP[i, t] - OLD[i, t])
 
 
+def _reinforce_loss_sum(logprobs, advantages, mask, weights):
+    """The loss the trainer had before the switches: sum over generated tokens of
+    -w A log pi (logprobs [B, T] with grad, advantages [B], mask and weights [B, T])."""
+    return (-advantages[:, None] * logprobs * mask * weights).sum()
+
+
 def test_one_step_is_reinforce_with_tis():
-    """old = logp (one step per batch): value sum(-w A), gradient of -w A log pi, the loss
-    the trainer had before the switches (``policy_gradient_loss_sum``)."""
+    """old = logp (one step per batch): value sum(-w A), gradient of -w A log pi, the
+    REINFORCE/GRPO loss with truncated importance weights (``_reinforce_loss_sum``)."""
     terms, grad = _run(PolicyObjective(tis_cap=2.0), old=LOGP.detach())
     w = torch.exp(LOGP - ROLLOUT).clamp(max=2.0)
     x = LOGP.clone().requires_grad_(True)
-    (adv.policy_gradient_loss_sum(x, ADV, MASK, w) / MASK.sum()).backward()
+    (_reinforce_loss_sum(x, ADV, MASK, w) / MASK.sum()).backward()
     assert torch.allclose(grad, x.grad, atol=1e-7)
     hand = sum(-ADV[i] * min(math.exp(LOGP[i, t] - ROLLOUT[i, t]), 2.0) for i, t in TOKENS)
     assert float(terms.numerator.detach()) == pytest.approx(float(hand), rel=1e-6)

@@ -150,20 +150,26 @@ def test_running_baseline_by_hand_and_its_state():
 
 
 def test_truncated_importance_weights_and_loss_by_hand():
+    """``rl.objective`` with one step per batch: w = min(pi_train / pi_rollout, cap), no
+    gradient through it, and the loss -w A log pi over the generated tokens only."""
+    from megatron_logra.rl.config import PolicyObjective
+    from megatron_logra.rl.objective import objective_terms
+
     train = torch.tensor([[math.log(0.5), math.log(0.9)]], requires_grad=True)
     rollout = torch.tensor([[math.log(0.25), math.log(0.3)]])
-    w = adv.truncated_importance_weights(train, rollout, cap=2.5)
+    mask = torch.tensor([[1.0, 0.0]])
+    terms = objective_terms(PolicyObjective(tis_cap=2.5), train, train.detach(), rollout,
+                            torch.tensor([3.0]), mask)
+    w = terms.weights
     assert torch.allclose(w, torch.tensor([[2.0, 2.5]]))  # 0.5/0.25 = 2; 0.9/0.3 = 3 -> cap
     assert not w.requires_grad
-    mask = torch.tensor([[1.0, 0.0]])
-    loss = adv.policy_gradient_loss_sum(train, torch.tensor([3.0]), mask, w)
-    assert torch.isclose(loss, torch.tensor(-3.0 * 2.0 * math.log(0.5)))
-    loss.backward()
+    assert float(terms.denominator) == 1
+    # value -w A r with r = 1, gradient -w A d log pi
+    assert torch.isclose(terms.numerator, torch.tensor(-3.0 * 2.0))
+    terms.numerator.backward()
     assert torch.allclose(train.grad, torch.tensor([[-6.0, 0.0]]))  # masked token: no grad
-    mism = adv.logprob_mismatch(train.detach(), rollout, torch.ones(1, 2))
-    assert math.isclose(mism, (math.log(2.0) + math.log(3.0)) / 2, rel_tol=1e-6)
-    with pytest.raises(ValueError, match="cap must be > 0"):
-        adv.truncated_importance_weights(train, rollout, cap=0.0)
+    with pytest.raises(ValueError, match="--tis-cap must be >= 0"):
+        PolicyObjective(tis_cap=-1.0)
 
 
 def test_rollouts_become_aligned_microbatches():
