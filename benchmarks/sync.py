@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_logra.memory.projection import PROJECTED, sync_bytes
+from megatron_logra.memory.forecast import sync_bytes
+from megatron_logra.memory.shapes import PAPER_SHAPES
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL, CKPT = REPO / "models" / "smollm2-135m-instruct", REPO / "ckpts" / "smollm2"
@@ -103,7 +104,7 @@ def main(argv=None) -> None:
     if not (MODEL / "model.safetensors").exists() or not (CKPT / "latest").exists():
         raise SystemExit(f"needs {MODEL} and {CKPT}: run `make demo` once (it converts "
                          "SmolLM2-135M-Instruct with checkpoints_tools)")
-    from megatron_logra.weight_sync.full_weights import full_push
+    from megatron_logra.weight_sync.gathered_weights import gathered_buckets
     from megatron_logra.weight_sync.sketch_rows import owned_updates
     from megatron_logra.cli import parse_run_config
     from megatron_logra.rl.stage import RLStage
@@ -149,7 +150,7 @@ def main(argv=None) -> None:
             assert run.sync_stats.last_transport == transport, run.sync_stats.last_transport
             delta_bytes = run.sync_stats.bytes - before
             exact = exact and exact_now()
-            _, full_assembly = _timed(lambda: [b for b in full_push(
+            _, full_assembly = _timed(lambda: [b for b in gathered_buckets(
                 objs.model, arch, run.sync.plan, dtype=torch.bfloat16)])
             before = run.sync_stats.bytes
             with run.sync.forcing("full"):
@@ -175,7 +176,7 @@ def main(argv=None) -> None:
     report = {"benchmark": "sync", "model": "smollm2-135m", "rank": args.rank,
               "updates": args.updates, "per_update": rows, "full": full, **per,
               "verify_time_s": verify_time,
-              "projection": {name: sync_bytes(PROJECTED[name], 256)
+              "projection": {name: sync_bytes(PAPER_SHAPES[name], 256)
                              for name in ("7B", "27B")},
               "projection_smollm2_r": sync_bytes("smollm2-135m", args.rank),
               "sparse_bytes_ratio": round(per["sparse-delta"]["delta_bytes"] / full["full_bytes"], 5),

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 GIB = 2**30
 VLLM_DEFAULT_UTILIZATION = 0.92  # vllm.config.cache.CacheConfig.gpu_memory_utilization
 # vLLM's CUDA context, workspace and sampler on an awake engine (the memory model's
-# engine share, memory/projection.py, uses it too): taken after the trainer measured what
+# engine share, memory/forecast.py, uses it too): taken after the trainer measured what
 # is free
 ENGINE_OVERHEAD_BYTES = 2 * GIB
 

@@ -73,7 +73,7 @@ class DirectChannel:
 
     def __init__(self, model_chunks: list, arch, plan, dtype: torch.dtype, engine_tp: int,
                  bucket_bytes: int, backend: str | None = None, merged: bool = True):
-        """``plan``: ``full_weights.PushPlan`` (who sends each parameter's stage);
+        """``plan``: ``gathered_weights.PushPlan`` (who sends each parameter's stage);
         ``engine_tp``: the engine's TP size (its worker count); ``backend``: the group's,
         None for the device's (NCCL on CUDA, gloo on CPU). gloo on CUDA stages every
         message through host memory: what an engine on the trainer's own GPUs needs, as

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatron_logra.weight_sync.contract import Delivery, EngineError, Transport
-from megatron_logra.weight_sync.full_weights import gather_adapters
+from megatron_logra.weight_sync.gathered_weights import gather_adapters
 from megatron_logra.weight_sync.transport import TrainerWeights, deliver_through_rank0
 
 class LoraAdapterPush:

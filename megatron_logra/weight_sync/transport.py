@@ -4,7 +4,7 @@ the delta transports follow (``DeltaTransport``); one file per transport:
 ``lora_adapter_push`` (LoRA).
 
 ``TrainerWeights`` is what every transport reads: the policy's chunks in the Megatron
-layout, who sends each parameter (``full_weights.plan_push``), the engine dtype, for
+layout, who sends each parameter (``gathered_weights.plan_push``), the engine dtype, for
 sparse deltas what each sender last sent, and the channel (``weight_sync.channel``) over
 which every rank sends each vLLM server worker its own pieces. Rank 0 talks to the
 server (a ``contract.PushTarget``: ``rollout.vllm_server.VllmServer``; None on every
@@ -25,7 +25,7 @@ from megatron_logra.runtime.collectives import from_rank0
 from megatron_logra.weight_sync.channel import DirectChannel
 from megatron_logra.weight_sync.contract import (Delivery, EngineError, PushRefused, PushTarget,
                                                  Transport)
-from megatron_logra.weight_sync.full_weights import full_push, plan_push
+from megatron_logra.weight_sync.gathered_weights import gathered_buckets, plan_push
 
 
 class TrainerWeights:
@@ -55,8 +55,8 @@ class TrainerWeights:
             self.shadow = {}
 
     def buckets(self, names: list[str] | None = None):
-        """Full HF tensors in buckets on rank 0 (see ``full_weights.full_push``)."""
-        return full_push(self.model, self.arch, self.plan, dtype=self.dtype,
+        """Full HF tensors in buckets on rank 0 (see ``gathered_weights.gathered_buckets``)."""
+        return gathered_buckets(self.model, self.arch, self.plan, dtype=self.dtype,
                          bucket_bytes=self.bucket_bytes, names=names, merged=self.merged)
 
 

@@ -53,10 +53,10 @@ TRANSPORTS = ["sparse-delta", "sketch-delta", "sketch-delta", "full"]
 
 
 def _trainer_hf(run) -> dict[str, torch.Tensor]:
-    from megatron_logra.weight_sync.full_weights import full_push
+    from megatron_logra.weight_sync.gathered_weights import gathered_buckets
 
-    return {n: t for bucket in full_push(run.objs.model, run.objs.arch, run.sync.plan,
-                                         dtype=torch.bfloat16) for n, t in bucket}
+    return {n: t for bucket in gathered_buckets(run.objs.model, run.objs.arch, run.sync.plan,
+                                                dtype=torch.bfloat16) for n, t in bucket}
 
 
 def _differing(run) -> list[str] | None:

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_logra.cli import ConfigError, parse_run_config
 from megatron_logra.memory.inventory import ROLES, model_of, rank_params
-from megatron_logra.memory.projection import (GIB, cli_accepts, engine_share, placements,
+from megatron_logra.memory.forecast import (GIB, cli_accepts, engine_share, placements,
                                               sync_bytes)
 from megatron_logra.memory.rank_bytes import model_state, plan
 from megatron_logra.memory.shapes import shape_dir
