@@ -378,10 +378,6 @@ class VllmServer:
         self._connect(self.owner.start())
         self.down = False
 
-    def kill_for_test(self) -> None:
-        """The server dies at once, as in a crash (tests; a server started here)."""
-        self.owner.kill()
-
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()

@@ -92,7 +92,7 @@ def _check_layout(argv: list[str], kill_engine: bool = False) -> dict:
             run.push_weights()
         for update, transport in enumerate(TRANSPORTS):
             if kill_engine and update == KILL_BEFORE_UPDATE and dist.get_rank() == 0:
-                run.engine.kill_for_test()
+                run.engine.owner.kill()  # the server dies at once, as in a crash
             with run.sync.forcing(transport):  # this update's push
                 record = run.step(update, adjust_samples=plus_minus_advantages)
             out["transports"].append(record["sync_transport"])

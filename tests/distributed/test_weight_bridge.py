@@ -42,7 +42,7 @@ WORKER = REPO / "tests" / "distributed" / "bridge_worker.py"
 def _server(tmp: Path):
     """vLLM's server on a tiny model (TP1, bf16) as a user starts it (docs/usage.md), in a
     process of its own standing for another node: (URL, model folder)."""
-    from megatron_logra.model.tiny_assets import write_tiny_hf_checkpoint
+    from megatron_logra.testing.tiny_checkpoint import write_tiny_hf_checkpoint
 
     model = write_tiny_hf_checkpoint(tmp / "server_model")
     port = free_port()

@@ -118,7 +118,7 @@ def case(request, tmp_path_factory):
     from megatron_logra.rollout.types import ServerSpec
     from megatron_logra.weight_sync.sketch_rows import apply_updates
     from megatron_logra.model.arch import load_arch
-    from megatron_logra.model.tiny_assets import write_tiny_hf_checkpoint
+    from megatron_logra.testing.tiny_checkpoint import write_tiny_hf_checkpoint
     from megatron_logra.rollout.vllm_server import VllmServer
 
     family, tp = CASES[request.param]
@@ -141,7 +141,7 @@ def case(request, tmp_path_factory):
         after_push = server.checksums()
         served_version = server.version
         after = torch.tensor(server.prompt_logprobs(rows.tolist()), dtype=torch.float64)
-        server.kill_for_test()  # a TP2 server's shared-memory queues go with it, even so
+        server.owner.kill()  # a crash: a TP2 server's shared-memory queues go with it, even so
     finally:
         server.close()
     for _ in range(40):
