@@ -91,18 +91,11 @@ class WeightSync:
             self.adapter = self.deltas[Transport.LORA_ADAPTER] = LoraAdapterPush(self.weights,
                                                                                 lora)
 
-    # what tests and benchmarks read of the trainer's weights
     @property
     def plan(self):
+        """Who sends each parameter (``gathered_weights.PushPlan``; tests and benchmarks
+        gather the trainer's weights by it)."""
         return self.weights.plan
-
-    @property
-    def hf_source(self) -> dict[str, str]:
-        return self.weights.hf_source
-
-    @property
-    def shadow(self):
-        return self.weights.shadow
 
     def track_changes(self) -> None:
         """Make sparse deltas possible (forced ones too): record what full pushes send."""
