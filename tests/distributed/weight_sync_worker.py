@@ -1,6 +1,6 @@
-"""torchrun worker of tests/distributed/test_weight_bridge.py: the three sync transports, checked.
+"""torchrun worker of tests/distributed/test_weight_sync.py: the three sync transports, checked.
 
-    torchrun --nproc-per-node N tests/distributed/bridge_worker.py OUT.json RUN_DIR
+    torchrun --nproc-per-node N tests/distributed/weight_sync_worker.py OUT.json RUN_DIR
 
 For the trainer layout of the launch (``LAYOUTS``: bf16 weights, LoGRA in SR mode,
 every sketch target, a bf16 engine of vLLM TP1 (norms trained by Adam) or, from
@@ -11,7 +11,7 @@ tensors) by vLLM's own checksums of every parameter of every worker; at the end 
 logprobs; it checks that a delta on the wrong base version is refused with the server
 still serving. The engine is vLLM's server, which trainer rank 0 starts and which is
 killed once on the way; PP2 goes into the server the test started
-(``BRIDGE_ENGINE_URL``, standing for another node), instead.
+(``WEIGHT_SYNC_ENGINE_URL``, standing for another node), instead.
 """
 
 from __future__ import annotations
@@ -124,15 +124,15 @@ def main() -> None:
     rt = init_runtime()
     result = {}
     for name, flags in LAYOUTS[rt.world_size].items():
-        remote = os.environ.get("BRIDGE_ENGINE_URL", "") if name == REMOTE else ""
+        remote = os.environ.get("WEIGHT_SYNC_ENGINE_URL", "") if name == REMOTE else ""
         if remote:  # the test's server ("another node"), serving the test's model folder
             flags = [*flags, "--rollout-engine-url", remote,
-                     "--model-dir", os.environ["BRIDGE_MODEL_DIR"]]
+                     "--model-dir", os.environ["WEIGHT_SYNC_MODEL_DIR"]]
         result[name] = _check_layout([*BASE, *flags, "--output-dir", f"{run_dir}/{name}"],
                                      kill_engine=name in KILLED)
         result[name]["remote_engine"] = bool(remote)
         if rt.rank == 0:
-            print(f"[bridge] {name}: {result[name]}", flush=True)
+            print(f"[weight sync] {name}: {result[name]}", flush=True)
     if rt.rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
