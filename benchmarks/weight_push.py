@@ -120,7 +120,8 @@ def worker(args) -> None:
                 rows.append(_timed_push(link, version, transport))
                 if rt.rank == 0:
                     print(f"[weight_push] {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
-        bad, failed = link.sync.full.mismatches(link.engines.server)  # vLLM's checksums (collective)
+        # vLLM's checksums (collective)
+        bad, failed = link.sync.full.mismatches(link.engines.server)
         exact = not failed and bad == []
     finally:
         link.close()
