@@ -9,7 +9,7 @@ utilization is therefore sized from what those GPUs have free (measured by the t
 ranks on them after releasing their cached blocks), less a margin for the engine
 process's own CUDA context, and a start that cannot fit is refused before vLLM is asked,
 with the settings to change. It is measured again before every start of a server
-(``SharedGpuSizer``, called by ``engine_link`` where every rank takes part): a restart
+(``SharedGpuSizer``, called by ``rollout.engines`` where every rank takes part): a restart
 after the first update meets Adam's state and the allocator's cache, which the first
 start did not, and each of several colocated engines is sized from its own GPUs
 (``engine_gpus``). The sizing is pure arithmetic (``size_engines``); the measuring is one
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 GIB = 2**30
 VLLM_DEFAULT_UTILIZATION = 0.92  # vllm.config.cache.CacheConfig.gpu_memory_utilization
 # vLLM's CUDA context, workspace and sampler on an awake engine (the memory model's
-# engine share, memory/projection.py, uses it too): taken after the trainer measured what
+# engine share, memory/forecast.py, uses it too): taken after the trainer measured what
 # is free
 ENGINE_OVERHEAD_BYTES = 2 * GIB
 
@@ -92,7 +92,7 @@ def size_engines(reports: list, placements: list, replicas: list[int], engine_tp
 
 class SharedGpuSizer:
     """``sizer(replicas)``: collective, vLLM's ``gpu_memory_utilization`` for each of
-    ``replicas`` about to start (``engine_link``): every rank frees its cached blocks and
+    ``replicas`` about to start (``rollout.engines``): every rank frees its cached blocks and
     reports its GPU's free memory now; rank 0 sizes each engine from its own GPUs
     (``size_engines``), and a refusal is raised on every rank."""
 
@@ -117,16 +117,17 @@ class SharedGpuSizer:
                                                self.engine_tp, self.needed))
 
 
-def shared_gpu_sizer(rl, arch, placement, placements: list) -> SharedGpuSizer | None:
+def shared_gpu_sizer(engine, arch, placement, placements: list) -> SharedGpuSizer | None:
     """The sizer of this run's engines when they start on node 0's trainer GPUs (CUDA,
     ``inherit`` or ``colocated``, not a server at --rollout-engine-url:
     ``placement.shares_trainer_gpus``); None elsewhere (CPU, dedicated GPUs, a remote
-    engine: vLLM's default). ``rl``: the run's ``RLConfig``; ``arch``: its ``ModelArch``;
+    engine: vLLM's default). ``engine``: the run's ``rollout.config.EngineConfig``;
+    ``arch``: its ``ModelArch``;
     ``placement``: the engines' ``EnginePlacement`` (every rank), ``placements``: each
     engine's (rank 0)."""
     if not placement.shares_trainer_gpus:
         return None
-    tp = rl.rollout_tensor_parallel_size
-    needed = engine_bytes(arch.num_parameters, tp, 2 if rl.rollout_dtype == "bfloat16" else 4,
-                          int(rl.rollout_kv_cache_gib * GIB))
+    tp = engine.tensor_parallel_size
+    needed = engine_bytes(arch.num_parameters, tp, 2 if engine.dtype == "bfloat16" else 4,
+                          int(engine.kv_cache_gib * GIB))
     return SharedGpuSizer(needed, tp, placements)

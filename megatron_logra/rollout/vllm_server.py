@@ -37,10 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from megatron_logra.rollout.types import (Completion, EngineError, PushInFlight, PushRefused,
-                                            SampleRequest)
+from megatron_logra.rollout.types import Completion, SampleRequest
+from megatron_logra.weight_sync.contract import EngineError, PushInFlight, PushRefused
 
-BACKEND = "mlogra"  # weight_sync.vllm_plugin.BACKEND (not imported: that module needs vLLM)
 UNVERSIONED = -1  # vLLM's weight version is "default" until the first finished push
 HEALTH_POLL_S = 2.0  # how often a long call checks that the server is still healthy
 
@@ -68,14 +67,14 @@ class VllmServer:
         self.down = False  # a server started here, ended by ``halt``: ``start_again`` it
         self._call: threading.Thread | None = None
         self._call_result: list = []
-        self._update: dict = {}  # the push ``expect`` opened (its kind and version)
+        self._update: dict = {}  # the push ``expect`` opened (its transport and version)
         self.adapter_root = Path(adapter_root) if adapter_root else None
         self.adapter: tuple[str, Path] | None = None  # the LoRA adapter served: (name, folder)
         self._connect(url)
 
     @classmethod
     def local(cls, cfg, log_path, *, cuda: bool, adapter_root: str | None = None) -> VllmServer:
-        """Start vLLM's server for ``cfg`` (``EngineConfig``) here and connect to it."""
+        """Start vLLM's server for ``cfg`` (``ServerSpec``) here and connect to it."""
         from megatron_logra.rollout.server_process import LocalServer
 
         owner = LocalServer(cfg, log_path, cuda=cuda)
@@ -217,7 +216,7 @@ class VllmServer:
                               f"serves {serving}: push full weights")
         self._post("pause", params={"mode": "abort"})
         self._post("start_weight_update")
-        self._update = {"kind": str(transport), "version": int(version)}
+        self._update = {"transport": str(transport), "version": int(version)}
 
     def begin_receive(self, rounds: int) -> None:
         self._begin("update_weights", {"update_info": {"rounds": int(rounds), **self._update}})
@@ -327,7 +326,7 @@ class VllmServer:
         """Generation and scoring would mix two versions while a push is open (and hang
         on the paused server): refused until it is finished."""
         if self._update:
-            raise PushInFlight(f"a {self._update['kind']} push to version "
+            raise PushInFlight(f"a {self._update['transport']} push to version "
                                f"{self._update['version']} is in flight (opened, not "
                                f"finished): finish it first")
 
@@ -378,10 +377,6 @@ class VllmServer:
         self.down = True  # until it answers
         self._connect(self.owner.start())
         self.down = False
-
-    def kill_for_test(self) -> None:
-        """The server dies at once, as in a crash (tests; a server started here)."""
-        self.owner.kill()
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

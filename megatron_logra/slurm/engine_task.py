@@ -24,17 +24,20 @@ import signal
 import sys
 import time
 
-from megatron_logra.rollout.types import EngineConfig
+from megatron_logra.rollout.config import EngineConfig
+from megatron_logra.rollout.types import ServerSpec
 from megatron_logra.slurm.wait_engines import health
 
 UNHEALTHY_AFTER_S = 20.0
 
 
-def task_flags(cfg: EngineConfig, *, cuda: bool) -> list[str]:
-    """This module's flags for an engine of ``cfg`` (``slurm.job`` writes them)."""
+def task_flags(cfg: ServerSpec, *, cuda: bool) -> list[str]:
+    """This module's flags for a server of ``cfg`` (``slurm.job`` writes them)."""
+    engine = cfg.engine
     flags = ["--model-dir", cfg.model_dir, "--max-model-len", str(cfg.max_model_len),
-             "--dtype", cfg.dtype, "--kv-cache-gib", f"{cfg.kv_cache_gib:g}",
-             "--tensor-parallel-size", str(cfg.tensor_parallel_size), "--seed", str(cfg.seed)]
+             "--dtype", engine.dtype, "--kv-cache-gib", f"{engine.kv_cache_gib:g}",
+             "--tensor-parallel-size", str(engine.tensor_parallel_size),
+             "--seed", str(engine.seed)]
     if cfg.lora_rank:
         flags += ["--lora-rank", str(cfg.lora_rank)]
     return flags + (["--cuda"] if cuda else [])
@@ -59,11 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(args.model_dir, max_model_len=args.max_model_len, dtype=args.dtype,
-                        kv_cache_gib=args.kv_cache_gib,
-                        tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
-                        lora_rank=args.lora_rank)
+def server_spec(args: argparse.Namespace) -> ServerSpec:
+    engine = EngineConfig(seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                          dtype=args.dtype, kv_cache_gib=args.kv_cache_gib)
+    return ServerSpec(args.model_dir, max_model_len=args.max_model_len, engine=engine,
+                      lora_rank=args.lora_rank)
 
 
 def watch(proc, url: str, unhealthy_after_s: float, on_healthy=lambda: None,
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_logra.rollout.server_process import LocalServer, server_argv
 
     args = build_parser().parse_args(argv)
-    cfg = engine_config(args)
+    cfg = server_spec(args)
     server = LocalServer(cfg, "/dev/stdout", cuda=args.cuda, host="0.0.0.0", port=args.port)
 
     def stop(signum, _frame):  # the job's end (or its cancellation): a clean stop

@@ -220,15 +220,15 @@ def _check_layout(job: SlurmJobConfig, cfg) -> None:
 
 def _check_engines(job: SlurmJobConfig, cfg, argv: list[str]) -> None:
     rl = cfg.rl
-    if rl.rollout_engine_url:
+    if rl.rollout.engine_url:
         raise SlurmJobError("the trainer's --rollout-engine-url is the engine nodes' servers "
                             "in this job: drop it (or use --engine-nodes 0 to train against "
                             "a server of your own)")
-    if rl.rollout_replicas > 1:
-        raise SlurmJobError(f"--rollout-replicas {rl.rollout_replicas} starts engines beside "
+    if rl.rollout.replicas > 1:
+        raise SlurmJobError(f"--rollout-replicas {rl.rollout.replicas} starts engines beside "
                             f"trainer rank 0; with engine nodes, each node is one engine: "
                             f"drop it and set --engine-nodes")
-    tp = rl.rollout_tensor_parallel_size
+    tp = rl.rollout.tensor_parallel_size
     if job.gpus_per_node and tp > job.gpus_per_node:
         raise SlurmJobError(f"--rollout-tensor-parallel-size {tp} exceeds the "
                             f"{job.gpus_per_node} GPUs of an engine node (one server per "
@@ -253,16 +253,15 @@ def _check_engines(job: SlurmJobConfig, cfg, argv: list[str]) -> None:
 def _engine_command(job: SlurmJobConfig, cfg) -> list[str]:
     """``slurm.engine_task``'s flags for an engine node: the server trainer rank 0 would
     start for ``cfg`` (``rollout.server_process``), at --engine-port."""
-    from megatron_logra.rollout.types import EngineConfig, Transport
+    from megatron_logra.rollout.types import ServerSpec
     from megatron_logra.slurm.engine_task import task_flags
+    from megatron_logra.weight_sync.contract import Transport
 
     rl = cfg.rl
     lora_rank = (cfg.optimizer.lora.rank if rl.weight_sync.transport == Transport.LORA_ADAPTER
                  else 0)
-    engine = EngineConfig(str(Path(cfg.model.model_dir).resolve()),
-                          max_model_len=cfg.training.seq_length, dtype=rl.rollout_dtype,
-                          kv_cache_gib=rl.rollout_kv_cache_gib,
-                          tensor_parallel_size=rl.rollout_tensor_parallel_size,
-                          seed=rl.rollout_seed, lora_rank=lora_rank)
+    server = ServerSpec(str(Path(cfg.model.model_dir).resolve()),
+                        max_model_len=cfg.training.seq_length, engine=rl.rollout,
+                        lora_rank=lora_rank)
     return ["--port", str(job.engine_port), "--max-restarts", str(job.max_restarts),
-            *task_flags(engine, cuda=job.gpus_per_node > 0)]
+            *task_flags(server, cuda=job.gpus_per_node > 0)]

@@ -35,7 +35,7 @@ from megatron.core import parallel_state
 from megatron_logra.weight_sync.messages import Outbox
 from megatron_logra.weight_sync.p2p import (GroupAddress, abort_group, join_group,
                                             message_device, open_store, send_message, wait_all)
-from megatron_logra.rollout.types import Delivery, EngineError, PushRefused, Transport
+from megatron_logra.weight_sync.contract import Delivery, EngineError, PushRefused, Transport
 from megatron_logra.weight_sync.sketch_rows import RowsUpdate, encode_rows, owned_updates
 from megatron_logra.weight_sync.transfer_plan import Block, shard_blocks, shard_extent, worker_rows
 from megatron_logra.model.hf_mapping import hf_param_shapes, megatron_param_names, row_segments
@@ -73,7 +73,7 @@ class DirectChannel:
 
     def __init__(self, model_chunks: list, arch, plan, dtype: torch.dtype, engine_tp: int,
                  bucket_bytes: int, backend: str | None = None, merged: bool = True):
-        """``plan``: ``full_weights.PushPlan`` (who sends each parameter's stage);
+        """``plan``: ``gathered_weights.PushPlan`` (who sends each parameter's stage);
         ``engine_tp``: the engine's TP size (its worker count); ``backend``: the group's,
         None for the device's (NCCL on CUDA, gloo on CPU). gloo on CUDA stages every
         message through host memory: what an engine on the trainer's own GPUs needs, as

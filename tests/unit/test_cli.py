@@ -154,7 +154,8 @@ def test_rl_flags_give_their_config_and_the_global_batch():
                             "6", "--tis-cap", "0", "--algorithm",
                             "reinforce", "--micro-batch-size", "2"], world_size=2)
     assert cfg.training.global_batch_size == 24
-    assert (cfg.rl.prompts_per_step, cfg.rl.responses_per_prompt, cfg.rl.tis_cap) == (4, 6, None)
+    assert (cfg.rl.prompts_per_step, cfg.rl.responses_per_prompt,
+            cfg.rl.objective.tis_cap) == (4, 6, None)
     assert cfg.rl.kl.control == "none" and cfg.rl.algorithm == "reinforce"
 
 

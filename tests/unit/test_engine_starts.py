@@ -1,5 +1,6 @@
-"""Engine starts and turns on GPUs the trainer shares (``rollout.engine_link``,
-``rollout.engine_memory``), checked on CPU in a world of one with stand-in engines:
+"""Engine starts and turns on GPUs the trainer shares (``rollout.engines``,
+``rollout.engine_memory``), and the RL side's resync after a failed push
+(``rl.synced_engines``), checked on CPU in a world of one with stand-in engines:
 
 - every start of a server, the first and each restart after a failure, asks vLLM for the
   memory its GPUs have free at that moment (``SharedGpuSizer``: each rank frees its cached
@@ -15,21 +16,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_logra.rollout import engine_link
-from megatron_logra.rollout.engine_link import EngineLink
+from megatron_logra.rl.synced_engines import SyncedEngines
+from megatron_logra.rollout import engines as engines_module
+from megatron_logra.rollout.engines import RolloutEngines
 from megatron_logra.rollout.engine_memory import (ENGINE_OVERHEAD_BYTES, GIB, GpuMemory,
                                                  SharedGpuSizer, size_engines)
 from megatron_logra.rollout.placement import EnginePlacement
-from megatron_logra.rollout.types import EngineConfig, EngineError
+from megatron_logra.rollout.types import ServerSpec
 from megatron_logra.runtime import device
+from megatron_logra.weight_sync.contract import Delivery, EngineError
 from megatron_logra.weight_sync.sync import SyncStats
-from megatron_logra.weight_sync.transport import PushResult
 
 
 class FakeEngine:
     """A server started here: records how it was (re)started, slept and woken."""
 
-    def __init__(self, cfg: EngineConfig, events: list):
+    def __init__(self, cfg: ServerSpec, events: list):
         self.owner, self.down, self.start_id, self.startup_s = object(), False, 1, 0.0
         self.url = "http://fake"
         self.utilizations = [cfg.gpu_memory_utilization]
@@ -55,7 +57,7 @@ class FakeEngine:
 
 
 class FakeSync:
-    """``WeightSync``'s face to the link: ``fail`` pushes fail, then they work."""
+    """``WeightSync``'s face to ``SyncedEngines``: ``fail`` pushes fail, then they work."""
 
     def __init__(self, fail: int = 0):
         self.stats, self.fail, self.pushed = SyncStats(), fail, []
@@ -63,12 +65,12 @@ class FakeSync:
     def use(self, replica):
         pass
 
-    def push(self, engine, version, transport=None):
+    def push(self, engine, version):
         self.pushed.append((engine, version))
         if self.fail:
             self.fail -= 1
-            return PushResult(failed="the engine died")
-        return PushResult(sent=1)
+            return Delivery(failed="the engine died")
+        return Delivery(sent=1)
 
     def close(self):
         pass
@@ -84,7 +86,7 @@ def world_of_one(monkeypatch):
         engine = FakeEngine(cfg, events)
         started.append(engine)
         return engine
-    monkeypatch.setattr(engine_link.VllmServer, "local", staticmethod(local))
+    monkeypatch.setattr(engines_module.VllmServer, "local", staticmethod(local))
     return events, started
 
 
@@ -99,14 +101,15 @@ def test_every_start_is_sized_from_what_the_gpu_has_free_then(world_of_one, monk
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free.pop(0), 80 * GIB))
     monkeypatch.setattr(device, "release_cached_memory", lambda: events.append("release cache"))
     sizer = SharedGpuSizer(needed=10 * GIB, engine_tp=1, placements=[EnginePlacement("inherit")])
-    link = EngineLink(FakeSync(fail=1), [EngineConfig("/m/init", 64)], sizer=sizer)
+    link = SyncedEngines(RolloutEngines([ServerSpec("/m/init", 64)], sizer=sizer),
+                         FakeSync(fail=1))
     link.push(0)
     engine = started[0]
     first, again = engine.utilizations
     assert first * 80 * GIB == pytest.approx(60 * GIB - ENGINE_OVERHEAD_BYTES)
     assert again * 80 * GIB == pytest.approx(30 * GIB - ENGINE_OVERHEAD_BYTES)
     assert events == ["release cache", "halt", "release cache"]
-    assert link.stats.restarts == 1 and not engine.down
+    assert link.engines.restarts == 1 and not engine.down
     engine.halt()  # another failure; the GPU now has 5 GiB free
     with pytest.raises(ValueError, match="does not fit beside the trainer.*"
                                          "--rollout-kv-cache-gib"):
@@ -139,10 +142,11 @@ def test_colocated_turns_are_fenced_by_barriers(world_of_one, monkeypatch):
     holding its memory); before a wake every rank frees its cached blocks and meets at a
     barrier, and only then does the engine take its memory back."""
     events, started = world_of_one
-    monkeypatch.setattr(engine_link, "barrier", lambda: events.append("barrier"))
-    monkeypatch.setattr(engine_link, "release_cached_memory",
+    monkeypatch.setattr(engines_module, "barrier", lambda: events.append("barrier"))
+    monkeypatch.setattr(engines_module, "release_cached_memory",
                         lambda: events.append("release cache"))
-    link = EngineLink(FakeSync(), [EngineConfig("/m/init", 64)], sleep_mode=True)
+    link = SyncedEngines(RolloutEngines([ServerSpec("/m/init", 64)], sleep_mode=True),
+                         FakeSync())
     link.push(0)
     events.clear()
     link.release()
@@ -150,10 +154,10 @@ def test_colocated_turns_are_fenced_by_barriers(world_of_one, monkeypatch):
     events.clear()
     link.push(1)  # wakes the weights first
     assert events == ["release cache", "barrier", "wake weights"]
-    link.rank = 1  # what every other rank does: no engine, the same fences
+    link.engines.rank = 1  # what every other rank does: no engine, the same fences
     events.clear()
     link.release()
-    link._wake(0, ["kv_cache"])
+    link.engines.wake(0, ["kv_cache"])
     assert events == ["barrier", "release cache", "barrier"]
 
 
@@ -162,11 +166,12 @@ def test_a_failed_sleep_ends_the_engine_and_the_next_push_starts_it(world_of_one
 
     def refuse():
         raise EngineError("sleep refused")
-    link = EngineLink(FakeSync(), [EngineConfig("/m/init", 64)], sleep_mode=True)
+    link = SyncedEngines(RolloutEngines([ServerSpec("/m/init", 64)], sleep_mode=True),
+                         FakeSync())
     link.push(0)
     started[0].sleep = refuse
     link.release()
-    assert started[0].down and link.stats.restarts == 1
+    assert started[0].down and link.engines.restarts == 1
     with pytest.raises(EngineError, match="not running"):
         link.generate_here([], 0)
     link.push(0)

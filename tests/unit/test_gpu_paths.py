@@ -27,7 +27,7 @@ from megatron_logra.rollout.engine_memory import (ENGINE_OVERHEAD_BYTES, GIB,
                                                  engine_bytes, shared_gpu_utilization)
 from megatron_logra.rollout.server_process import server_argv
 from megatron_logra.rollout.placement import plan_placement
-from megatron_logra.rollout.types import EngineConfig
+from megatron_logra.rollout.types import ServerSpec
 from megatron_logra.cli import parse_run_config
 from megatron_logra.runtime import device, versions
 
@@ -94,19 +94,19 @@ def test_vllms_token_budget_is_the_cpu_workaround_on_cpu_only():
     max_model_len x max_num_seqs; on GPU vLLM's profiling run would allocate activations
     for that many tokens (half a million at the paper's settings), so its default stays,
     and the memory fraction sized by the trainer is passed (the server's command line)."""
-    cfg = EngineConfig("/m", max_model_len=4096, max_num_seqs=128, gpu_memory_utilization=0.4)
+    cfg = ServerSpec("/m", max_model_len=4096, max_num_seqs=128, gpu_memory_utilization=0.4)
     cpu = server_argv(cfg, 8000, cuda=False)
     assert _flag(cpu, "--max-num-batched-tokens") == str(4096 * 128)
     assert "--gpu-memory-utilization" not in cpu
     cuda = server_argv(cfg, 8000, cuda=True)
     assert "--max-num-batched-tokens" not in cuda
     assert _flag(cuda, "--gpu-memory-utilization") == "0.4"
-    assert "--gpu-memory-utilization" not in server_argv(EngineConfig("/m", max_model_len=8),
+    assert "--gpu-memory-utilization" not in server_argv(ServerSpec("/m", max_model_len=8),
                                                          8000, cuda=True)
     assert _flag(cuda, "--max-model-len") == "4096"
     assert _flag(cuda, "--kv-cache-memory-bytes") == str(GIB)
     assert _flag(cuda, "--load-format") == "dummy"  # the first push brings the weights
-    assert "--enable-sleep-mode" in server_argv(EngineConfig("/m", 8, sleep_mode=True), 1,
+    assert "--enable-sleep-mode" in server_argv(ServerSpec("/m", 8, sleep_mode=True), 1,
                                                 cuda=True)
 
 

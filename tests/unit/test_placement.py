@@ -78,7 +78,7 @@ def test_flags_reach_the_config_and_are_checked_at_parse():
           "--micro-batch-size", "4"]
     cfg = parse_run_config([*rl, "--rollout-placement", "dedicated", "--rollout-devices",
                             "6,7"], world_size=1)
-    assert (cfg.rl.rollout_placement, cfg.rl.rollout_devices) == ("dedicated", "6,7")
+    assert (cfg.rl.rollout.placement, cfg.rl.rollout.devices) == ("dedicated", "6,7")
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         parse_run_config([*rl, "--rollout-placement", "elsewhere"], world_size=1)
     for argv, why in ((["--rollout-placement", "dedicated"], "needs --rollout-devices"),

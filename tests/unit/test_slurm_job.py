@@ -37,7 +37,8 @@ from pathlib import Path
 import pytest
 
 from megatron_logra.rollout.server_process import server_argv
-from megatron_logra.rollout.types import EngineConfig
+from megatron_logra.rollout.config import EngineConfig
+from megatron_logra.rollout.types import ServerSpec
 from megatron_logra.slurm import cli, engine_task
 from megatron_logra.slurm.job import SlurmJobConfig, SlurmJobError, plan_job
 from megatron_logra.slurm.script import render
@@ -111,7 +112,9 @@ def test_one_trainer_node_and_one_engine_node(tmp_path):
 
     status, sruns, pythons, log = run_script(tmp_path, script, ["n0", "n1"])
     assert status == 0, log
-    engine, trainer = sruns
+    # the engine step starts in the background: the two record in either order
+    (engine,) = [s for s in sruns if "--job-name=engines" in s]
+    (trainer,) = [s for s in sruns if s is not engine]
     assert engine[:6] == ["--job-name=engines", "--nodes=1", "--ntasks=1",
                           "--ntasks-per-node=1", "--relative=1",
                           f"--output={tmp_path}/run/engine-%N.log"]
@@ -120,10 +123,11 @@ def test_one_trainer_node_and_one_engine_node(tmp_path):
     task = engine[engine.index("megatron_logra.slurm.engine_task") + 1:]
     args = engine_task.build_parser().parse_args(task)
     assert (args.port, args.max_restarts, args.cuda) == (8100, 2, False)
-    assert engine_task.engine_config(args) == EngineConfig(
+    assert engine_task.server_spec(args) == ServerSpec(
         str((REPO / "megatron_logra/assets/tiny-llama").resolve()), max_model_len=96,
-        dtype="bfloat16", kv_cache_gib=1.0, tensor_parallel_size=1, seed=0)
-    server = server_argv(engine_task.engine_config(args), 8100, cuda=False, host="0.0.0.0")
+        engine=EngineConfig(dtype="bfloat16", kv_cache_gib=1.0, tensor_parallel_size=1,
+                            seed=0))
+    server = server_argv(engine_task.server_spec(args), 8100, cuda=False, host="0.0.0.0")
     assert _after(server, "--load-format") == "dummy"  # a folder without weights serves
     assert _after(server, "--host") == "0.0.0.0"
 

@@ -87,9 +87,9 @@ def _sender_hf_tensors(model_chunks, arch: ModelArch, plan: PushPlan,
         yield name, hf_tensors
 
 
-def full_push(model_chunks, arch: ModelArch, plan: PushPlan, *, dtype: torch.dtype,
-              bucket_bytes: int = 64 * 2**20, names: list[str] | None = None,
-              merged: bool = True) -> Iterator[Bucket]:
+def gathered_buckets(model_chunks, arch: ModelArch, plan: PushPlan, *, dtype: torch.dtype,
+                     bucket_bytes: int = 64 * 2**20, names: list[str] | None = None,
+                     merged: bool = True) -> Iterator[Bucket]:
     """Yield buckets of (HF name, full CPU tensor in ``dtype``) on rank 0; see module doc.
     ``names``: only these canonical parameters (in canonical order), else all.
     ``merged``: LoRA's adapters merged into their weights (else the base weights alone)."""

@@ -1,4 +1,4 @@
-"""Bridge payloads: the sketch-delta receiver against the trainer's own update in HF
+"""Weight-sync payloads: the sketch-delta receiver against the trainer's own update in HF
 coordinates; the transport choice.
 
 For a fused qkv (per-group interleave -> q/k/v), a gated fc1 (-> gate/up), a

@@ -32,7 +32,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_logra.runtime import versions
 
-versions.require("megatron-core", "megatron_logra.training.megatron_optimizer")
+versions.require("megatron-core", "megatron_logra.runtime.megatron_optimizer")
 
 
 def sub_optimizers(optimizer: MegatronOptimizer | None) -> list[MegatronOptimizer]:

@@ -1,4 +1,4 @@
-"""Prompts, sampling requests and evaluation: the data side of the RL loop (rank 0).
+"""Prompts, sampling requests, scores and pass@k: the data side of the RL loop (rank 0).
 
 The prompt order is a pure function of (seed, update index), like SFT's sample
 order, so a resumed run draws the same prompts; every sample has its own sampling
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_logra.config import RLConfig
 from megatron_logra.data.sft import batch_indices
 from megatron_logra.data.tokenizer import TextTokenizer
+from megatron_logra.rl.config import RLConfig
 from megatron_logra.rollout.types import Completion, SampleRequest
 from megatron_logra.data.tasks import TaskItem
 from megatron_logra.rl.verifiers import Verifier
@@ -44,7 +44,7 @@ def step_requests(prompts: list[Prompt], cfg: RLConfig, update: int, seed: int,
     chosen = [prompts[i] for i in batch_indices(len(prompts), cfg.prompts_per_step, update,
                                                 order_seed)]
     first = round_ * cfg.prompts_per_step
-    requests = [SampleRequest(p.ids, sample_seed(cfg.rollout_seed, update, first + i, j),
+    requests = [SampleRequest(p.ids, sample_seed(cfg.rollout.seed, update, first + i, j),
                               cfg.max_new_tokens, cfg.temperature)
                 for i, p in enumerate(chosen) for j in range(cfg.responses_per_prompt)]
     return chosen, requests
@@ -76,7 +76,7 @@ def score(verifier: Verifier, tokenizer: TextTokenizer, prompts: list[Prompt],
 
 
 def eval_requests(prompts: list[Prompt], cfg: RLConfig) -> list[SampleRequest]:
-    return [SampleRequest(p.ids, sample_seed(cfg.rollout_seed + 7919, 0, i, j),
+    return [SampleRequest(p.ids, sample_seed(cfg.rollout.seed + 7919, 0, i, j),
                           cfg.max_new_tokens, cfg.eval_temperature, cfg.eval_top_p)
             for i, p in enumerate(prompts) for j in range(cfg.eval_samples)]
 

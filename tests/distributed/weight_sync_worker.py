@@ -1,6 +1,6 @@
-"""torchrun worker of tests/distributed/test_weight_bridge.py: the three sync transports, checked.
+"""torchrun worker of tests/distributed/test_weight_sync.py: the three sync transports, checked.
 
-    torchrun --nproc-per-node N tests/distributed/bridge_worker.py OUT.json RUN_DIR
+    torchrun --nproc-per-node N tests/distributed/weight_sync_worker.py OUT.json RUN_DIR
 
 For the trainer layout of the launch (``LAYOUTS``: bf16 weights, LoGRA in SR mode,
 every sketch target, a bf16 engine of vLLM TP1 (norms trained by Adam) or, from
@@ -11,7 +11,7 @@ tensors) by vLLM's own checksums of every parameter of every worker; at the end 
 logprobs; it checks that a delta on the wrong base version is refused with the server
 still serving. The engine is vLLM's server, which trainer rank 0 starts and which is
 killed once on the way; PP2 goes into the server the test started
-(``BRIDGE_ENGINE_URL``, standing for another node), instead.
+(``WEIGHT_SYNC_ENGINE_URL``, standing for another node), instead.
 """
 
 from __future__ import annotations
@@ -53,23 +53,23 @@ TRANSPORTS = ["sparse-delta", "sketch-delta", "sketch-delta", "full"]
 
 
 def _trainer_hf(run) -> dict[str, torch.Tensor]:
-    from megatron_logra.weight_sync.full_weights import full_push
+    from megatron_logra.weight_sync.gathered_weights import gathered_buckets
 
-    return {n: t for bucket in full_push(run.objs.model, run.objs.arch, run.source.weights.plan,
-                                         dtype=torch.bfloat16) for n, t in bucket}
+    return {n: t for bucket in gathered_buckets(run.objs.model, run.objs.arch, run.sync.plan,
+                                                dtype=torch.bfloat16) for n, t in bucket}
 
 
 def _differing(run) -> list[str] | None:
     """The HF tensors the server holds differently from the trainer (rank 0): vLLM's
     checksums against the ones the trainer's weights make."""
-    names, failed = run.source.weights.full.mismatches(run.engine)
+    names, failed = run.sync.full.mismatches(run.engine)
     assert not failed, failed
     return names if dist.get_rank() == 0 else None
 
 
 def _refused(run) -> bool:
     """A delta on a base the server does not serve is refused, nothing applied (rank 0)."""
-    from megatron_logra.rollout.types import PushRefused
+    from megatron_logra.weight_sync.contract import PushRefused
 
     try:
         run.engine.expect("sketch-delta", base_version=run.version + 5,
@@ -87,13 +87,14 @@ def _check_layout(argv: list[str], kill_engine: bool = False) -> dict:
     run = RLStage(parse_run_config(argv))
     out = {"transports": [], "bytes": [], "differing": []}
     try:
-        run.source.weights.track_changes()  # the sparse-delta base: recorded by the next full push
-        run.push_weights(transport="full")
+        run.sync.track_changes()  # the sparse-delta base: recorded by the next full push
+        with run.sync.forcing("full"):
+            run.push_weights()
         for update, transport in enumerate(TRANSPORTS):
             if kill_engine and update == KILL_BEFORE_UPDATE and dist.get_rank() == 0:
-                run.engine.kill_for_test()
-            record = run.step(update, adjust_samples=plus_minus_advantages,
-                              transport=transport)
+                run.engine.owner.kill()  # the server dies at once, as in a crash
+            with run.sync.forcing(transport):  # this update's push
+                record = run.step(update, adjust_samples=plus_minus_advantages)
             out["transports"].append(record["sync_transport"])
             out["bytes"].append(record["sync_bytes"])
             out["differing"].append(_differing(run))
@@ -108,7 +109,7 @@ def _check_layout(argv: list[str], kill_engine: bool = False) -> dict:
             out["refused"] = _refused(run)
             out["serving_after_refusal"] = run.engine.version == run.version
         out["checksum_mismatches"] = run.sync_stats.checksum_mismatches
-        out["restarts"] = run.sync_stats.restarts
+        out["restarts"] = run.engine_restarts
     finally:
         run.close()
     return out
@@ -123,15 +124,15 @@ def main() -> None:
     rt = init_runtime()
     result = {}
     for name, flags in LAYOUTS[rt.world_size].items():
-        remote = os.environ.get("BRIDGE_ENGINE_URL", "") if name == REMOTE else ""
+        remote = os.environ.get("WEIGHT_SYNC_ENGINE_URL", "") if name == REMOTE else ""
         if remote:  # the test's server ("another node"), serving the test's model folder
             flags = [*flags, "--rollout-engine-url", remote,
-                     "--model-dir", os.environ["BRIDGE_MODEL_DIR"]]
+                     "--model-dir", os.environ["WEIGHT_SYNC_MODEL_DIR"]]
         result[name] = _check_layout([*BASE, *flags, "--output-dir", f"{run_dir}/{name}"],
                                      kill_engine=name in KILLED)
         result[name]["remote_engine"] = bool(remote)
         if rt.rank == 0:
-            print(f"[bridge] {name}: {result[name]}", flush=True)
+            print(f"[weight sync] {name}: {result[name]}", flush=True)
     if rt.rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)

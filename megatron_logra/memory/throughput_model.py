@@ -25,67 +25,37 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from megatron_logra.memory.shapes import SHAPES
+from megatron_logra.memory.shapes import PAPER_SHAPES, shape_arch
+from megatron_logra.model.arch import ModelArch
 
 SCHEDULES = ("sync", "async")
 PLACEMENTS = ("dedicated", "colocated")
 ENGINE_TPS = (1, 2, 4, 8)
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """A Qwen2-style decoder (HF config fields): enough for its bytes and FLOPs."""
+def matmul_params(model: ModelArch) -> int:
+    """Weights one token multiplies by in a forward (q/k/v/o, gate/up/down, output layer):
+    its forward costs 2 x this many FLOP."""
+    h, q, kv = model.hidden_size, model.num_attention_heads * model.head_dim, \
+        model.num_kv_heads * model.head_dim
+    layer = 2 * h * q + 2 * h * kv + 3 * h * model.ffn_hidden_size
+    return model.num_layers * layer + model.vocab_size * h
 
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    tied: bool  # the output layer is the embedding
 
-    @classmethod
-    def of(cls, shape: str) -> ModelShape:
-        """From ``memory.shapes.SHAPES`` (the shapes the memory model projects)."""
-        s = SHAPES[shape]
-        return cls(shape, s["hidden_size"], s["num_layers"], s["num_heads"], s["num_kv_heads"],
-                   s["intermediate_size"], s["vocab_size"], s.get("tie_word_embeddings", True))
+def weight_bytes(model: ModelArch) -> int:
+    """bf16 weights (B): what an engine reads per decode step and a full push sends."""
+    return 2 * model.num_parameters
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
 
-    @property
-    def matmul_params(self) -> int:
-        """Weights one token multiplies by in a forward (q/k/v/o, gate/up/down, output
-        layer): its forward costs 2 x this many FLOP."""
-        kv = self.kv_heads * self.head_dim
-        h = self.hidden
-        layer = 2 * h * h + 2 * h * kv + 3 * h * self.intermediate
-        return self.layers * layer + self.vocab * self.hidden
+def kv_bytes_per_token(model: ModelArch) -> int:
+    """bf16 K and V of one token over all layers (B)."""
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2
 
-    @property
-    def params(self) -> int:
-        """All parameters: the matmuls, an untied embedding, qkv biases and norms."""
-        kv = self.kv_heads * self.head_dim
-        small = self.layers * (self.hidden + 2 * kv + 2 * self.hidden) + self.hidden
-        return self.matmul_params + (0 if self.tied else self.vocab * self.hidden) + small
 
-    @property
-    def weight_bytes(self) -> int:
-        """bf16 weights (B): what an engine reads per decode step and a full push sends."""
-        return 2 * self.params
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """bf16 K and V of one token over all layers (B)."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * 2
-
-    def kv_bytes_per_token_per_gpu(self, tp: int) -> float:
-        """One token's K and V on each of an engine's ``tp`` GPUs (B): vLLM splits the KV
-        heads, and replicates them when TP exceeds their number."""
-        return self.kv_bytes_per_token * max(1.0, self.kv_heads / tp) / self.kv_heads
+def kv_bytes_per_token_per_gpu(model: ModelArch, tp: int) -> float:
+    """One token's K and V on each of an engine's ``tp`` GPUs (B): vLLM splits the KV
+    heads, and replicates them when TP exceeds their number."""
+    return kv_bytes_per_token(model) * max(1.0, model.num_kv_heads / tp) / model.num_kv_heads
 
 
 @dataclass(frozen=True)
@@ -143,11 +113,12 @@ class Efficiency:
 class Inputs:
     """Everything the model needs about one setting."""
 
-    model: ModelShape
+    model: ModelArch  # its shape (``memory.shapes.shape_arch``)
     workload: Workload = Workload()
     hardware: Hardware = Hardware()
     efficiency: Efficiency = Efficiency()
     gpus: int = 8  # GPUs on the node
+    name: str = "the model"  # in messages
 
     def __post_init__(self):
         w = self.workload
@@ -208,14 +179,15 @@ class Timing:
 def min_train_gpus(inputs: Inputs) -> int:
     """GPUs the trainer's model state needs at the least (its state sharded over them)."""
     e, hw = inputs.efficiency, inputs.hardware
-    return math.ceil(inputs.model.params * e.train_bytes_per_param
+    return math.ceil(inputs.model.num_parameters * e.train_bytes_per_param
                      / (hw.memory_bytes * e.memory_fraction))
 
 
-def engine_tp_fits(model: ModelShape, tp: int) -> bool:
+def engine_tp_fits(model: ModelArch, tp: int) -> bool:
     """vLLM's rule: TP divides the attention heads, and the KV heads divide TP or TP
     divides them."""
-    return model.heads % tp == 0 and (model.kv_heads % tp == 0 or tp % model.kv_heads == 0)
+    kv = model.num_kv_heads
+    return model.num_attention_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
 
 
 def check_layout(inputs: Inputs, layout: Layout) -> None:
@@ -232,8 +204,9 @@ def check_layout(inputs: Inputs, layout: Layout) -> None:
         raise ValueError(f"replicas={n} > the {inputs.workload.sequences} responses of an "
                          "update: some engines would get none (lower the replicas)")
     if not engine_tp_fits(inputs.model, tp):
-        raise ValueError(f"engine_tp={tp} does not split {inputs.model.name}'s "
-                         f"{inputs.model.heads} attention heads and {inputs.model.kv_heads} "
+        raise ValueError(f"engine_tp={tp} does not split {inputs.name}'s "
+                         f"{inputs.model.num_attention_heads} attention heads and "
+                         f"{inputs.model.num_kv_heads} "
                          "KV heads (choose a TP that divides the heads, and divides or is a "
                          "multiple of the KV heads)")
     if layout.schedule == "async" and layout.placement == "colocated":
@@ -249,7 +222,7 @@ def check_layout(inputs: Inputs, layout: Layout) -> None:
                          f"{gpus} ({layout.placement}): lower the replicas, the engine TP"
                          + (" or the trainer's GPUs" if what else ""))
     if layout.train_gpus < min_train_gpus(inputs):
-        raise ValueError(f"train_gpus={layout.train_gpus}: {inputs.model.name}'s trainer state "
+        raise ValueError(f"train_gpus={layout.train_gpus}: {inputs.name}'s trainer state "
                          f"needs >= {min_train_gpus(inputs)} GPUs (give the trainer more)")
 
 
@@ -257,16 +230,16 @@ def decode_step_s(inputs: Inputs, tp: int, batch: float, context: float) -> floa
     """One decode step of an engine on ``tp`` GPUs for ``batch`` sequences of ``context``
     tokens each (s): overhead + TP all-reduces + max(bytes / bandwidth, FLOP / peak)."""
     m, hw = inputs.model, inputs.hardware
-    read = m.weight_bytes / tp + batch * context * m.kv_bytes_per_token_per_gpu(tp)
-    flop = 2.0 * m.matmul_params * batch / tp
+    read = weight_bytes(m) / tp + batch * context * kv_bytes_per_token_per_gpu(m, tp)
+    flop = 2.0 * matmul_params(m) * batch / tp
     roof = max(read / (hw.hbm_bytes_per_s * hw.hbm_efficiency), flop / hw.peak_flop_per_s)
-    comm = 2 * m.layers * hw.allreduce_s if tp > 1 else 0.0  # after attention and MLP
+    comm = 2 * m.num_layers * hw.allreduce_s if tp > 1 else 0.0  # after attention and MLP
     return inputs.efficiency.step_overhead_s + comm + roof
 
 
 def prefill_s(inputs: Inputs, tp: int, sequences: int) -> float:
     """The prompts of ``sequences`` sequences through an engine on ``tp`` GPUs (s)."""
-    flop = 2.0 * inputs.model.matmul_params * sequences * inputs.workload.prompt_tokens
+    flop = 2.0 * matmul_params(inputs.model) * sequences * inputs.workload.prompt_tokens
     return flop / (tp * inputs.hardware.peak_flop_per_s * inputs.efficiency.prefill_mfu)
 
 
@@ -290,7 +263,7 @@ def train_s(inputs: Inputs, gpus: int) -> float:
     """The trainer's share of an update on ``gpus`` GPUs (s), scaling linearly with them:
     train_flop_factor x matmul weights x tokens / (gpus x peak x MFU)."""
     e = inputs.efficiency
-    flop = e.train_flop_factor * inputs.model.matmul_params * inputs.workload.trained_tokens
+    flop = e.train_flop_factor * matmul_params(inputs.model) * inputs.workload.trained_tokens
     return flop / (gpus * inputs.hardware.peak_flop_per_s * e.train_mfu)
 
 
@@ -298,7 +271,7 @@ def push_s(inputs: Inputs, replicas: int, placement: str) -> float:
     """A full bf16 push into every engine, one engine after another (s)."""
     e = inputs.efficiency
     rate = e.push_bytes_per_s if placement == "dedicated" else e.colocated_push_bytes_per_s
-    return e.push_latency_s + replicas * inputs.model.weight_bytes / rate
+    return e.push_latency_s + replicas * weight_bytes(inputs.model) / rate
 
 
 def update_time(inputs: Inputs, layout: Layout) -> Timing:
@@ -393,7 +366,7 @@ def calibrate_train_to_updates(inputs: Inputs, layout: Layout, updates_per_h: fl
 # Table 1, 8 GPUs, 128 prompts per update: updates/h, dense Adam and LoGRA
 PAPER_UPDATES_PER_H = {"1.5B": {"dense_adam": 54.28, "logra": 55.44},
                        "7B": {"dense_adam": 25.28, "logra": 25.73}}
-PAPER_SHAPES = {"1.5B": "qwen2.5-1.5b", "7B": "qwen2.5-7b"}  # Qwen2.5-Math-1.5B / -7B
+SETTINGS = ("1.5B", "7B")  # the paper's settings modelled here (``memory.shapes.PAPER_SHAPES``)
 # skzhang1/RL research/logra/configs/*.yaml: generation not colocated, 4 GPUs for it,
 # vLLM TP 1 (the defaults file's), cluster of 8: four TP1 engines, trainer on the other 4
 PAPER_LAYOUT = Layout("sync", "dedicated", replicas=4, engine_tp=1, train_gpus=4)
@@ -416,15 +389,16 @@ def paper_inputs(setting: str, *, workload: Workload = Workload(),
     ``fit="overhead"``: the decode-step overhead (the MFU stays 1.5B's);
     ``fit="trainer"``: the trainer MFU (the overhead stays 1.5B's);
     ``fit="none"``: nothing (at 7B a prediction from 1.5B's calibration)."""
-    if setting not in PAPER_SHAPES:
-        raise ValueError(f"setting {setting!r}: choose {' or '.join(PAPER_SHAPES)}")
+    if setting not in SETTINGS:
+        raise ValueError(f"setting {setting!r}: choose {' or '.join(SETTINGS)}")
     if fit not in ("overhead", "trainer", "none"):
         raise ValueError(f"fit {fit!r}: choose overhead, trainer or none")
-    small = calibrate_train_mfu(Inputs(ModelShape.of(PAPER_SHAPES["1.5B"]), workload, hardware),
+    small = calibrate_train_mfu(Inputs(shape_arch(PAPER_SHAPES["1.5B"]), workload, hardware,
+                                       name=PAPER_SHAPES["1.5B"]),
                                 PAPER_LAYOUT.train_gpus, dense_train_s_1p5b())
     small = calibrate_step_overhead(small, PAPER_LAYOUT,
                                     PAPER_UPDATES_PER_H["1.5B"]["dense_adam"])
-    inputs = replace(small, model=ModelShape.of(PAPER_SHAPES[setting]))
+    inputs = replace(small, model=shape_arch(PAPER_SHAPES[setting]), name=PAPER_SHAPES[setting])
     target = PAPER_UPDATES_PER_H[setting]["dense_adam"]
     if fit == "overhead":
         return calibrate_step_overhead(inputs, PAPER_LAYOUT, target)

@@ -12,12 +12,11 @@ import math
 from megatron_logra.logra.config import LograConfig
 from megatron_logra.memory.inventory import ROLES, model_of, rank_params
 from megatron_logra.memory.rank_bytes import plan
+from megatron_logra.memory.shapes import PAPER_SHAPES
 from megatron_logra.rollout.engine_memory import ENGINE_OVERHEAD_BYTES, GIB
 
 PAPER_TABLE1 = {"1.5B": {"dense_adam": 9.18, "logra": 7.18}, "7B": {"dense_adam": 31.82,
                 "logra": 17.29}, "27B": {"dense_adam": "OOM", "logra": 51.54}}  # avg GiB/GPU
-# the paper's sizes -> their shapes (``memory.shapes``)
-PROJECTED = {"1.5B": "qwen2.5-1.5b", "7B": "qwen2.5-7b", "27B": "qwen3-27b"}
 LAYOUTS_8 = [(8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 4, 1), (2, 2, 2), (2, 1, 4), (1, 1, 8),
              (1, 2, 4), (1, 4, 2), (1, 8, 1)]  # (TP, PP, DP) on 8 GPUs
 
@@ -80,7 +79,7 @@ def project(gpu_gibs: list[float]) -> dict:
     """Every 8-GPU layout the CLI accepts, per model and method: busiest-rank model state
     and peak (seq 4096, microbatch 1, full recompute, r=256, LoRA r=16), and which fit."""
     out = {}
-    for name, shape in PROJECTED.items():
+    for name, shape in PAPER_SHAPES.items():
         rows = []
         for tp, pp, dp in LAYOUTS_8:
             row = {"layout": f"TP{tp} PP{pp} DP{dp}"}
@@ -128,7 +127,7 @@ def _layouts(shape: str, gpus: int, method: str) -> list[tuple[int, int, int]]:
             range(1, gpus + 1) if gpus % (tp * pp) == 0 and cli_accepts(shape, tp, pp, method)]
 
 
-def placements(gpu_gibs: list[float], gpus: int = 8, models=tuple(PROJECTED),
+def placements(gpu_gibs: list[float], gpus: int = 8, models=tuple(PAPER_SHAPES),
                variants=tuple(METHODS)) -> dict:
     """Per projected model and method, on ``gpus`` GPUs of each size: the engine TPs and
     trainer layouts that fit (90% of a GPU) with the engine dedicated (its own GPUs, the
@@ -137,7 +136,7 @@ def placements(gpu_gibs: list[float], gpus: int = 8, models=tuple(PROJECTED),
     trains)."""
     out = {}
     for name in models:
-        shape = PROJECTED[name]
+        shape = PAPER_SHAPES[name]
         engines = {e: engine_share(shape, e) for e in ENGINE_TPS
                    if e == 1 or model_of(shape)[0].num_attention_heads % e == 0}
         entry = {"engine_gib": {f"TP{e}": round(v["total"] / GIB, 1)

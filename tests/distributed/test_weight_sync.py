@@ -1,6 +1,6 @@
 """Weight sync into a real vLLM engine: full, sparse-delta and sketch-delta, bit-exact.
 
-Launches ``bridge_worker.py`` at world sizes 1, 2 and 4: trainer TP1 and PP2 into a vLLM
+Launches ``weight_sync_worker.py`` at world sizes 1, 2 and 4: trainer TP1 and PP2 into a vLLM
 TP1 engine, and TP2 x PP2 (both splits at once) into a vLLM TP2 engine (a TP2 trainer's
 sketch deltas into TP1 engines: ``test_async_rollouts.py``); bf16 weights, LoGRA in SR mode
 (``--logra-master-weights none``) on every target (qkv, proj, fc1, fc2, and the tied
@@ -35,14 +35,14 @@ from megatron_logra.runtime.device import free_port
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm]
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "tests" / "distributed" / "bridge_worker.py"
+WORKER = REPO / "tests" / "distributed" / "weight_sync_worker.py"
 
 
 @contextmanager
 def _server(tmp: Path):
     """vLLM's server on a tiny model (TP1, bf16) as a user starts it (docs/usage.md), in a
     process of its own standing for another node: (URL, model folder)."""
-    from megatron_logra.model.tiny_assets import write_tiny_hf_checkpoint
+    from megatron_logra.testing.tiny_checkpoint import write_tiny_hf_checkpoint
 
     model = write_tiny_hf_checkpoint(tmp / "server_model")
     port = free_port()
@@ -64,10 +64,10 @@ def _server(tmp: Path):
 
 
 def _launch(world: int, tmp: Path, server: tuple[str, Path] | None = None) -> dict:
-    out = tmp / f"bridge{world}.json"
+    out = tmp / f"weight_sync{world}.json"
     url, model = server or ("", "")
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               BRIDGE_ENGINE_URL=url, BRIDGE_MODEL_DIR=str(model))
+               WEIGHT_SYNC_ENGINE_URL=url, WEIGHT_SYNC_MODEL_DIR=str(model))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(world), str(WORKER), str(out), str(tmp / "runs")]
     proc = subprocess.run(cmd, cwd=WORKER.parent, env=env, capture_output=True, text=True,
@@ -78,7 +78,7 @@ def _launch(world: int, tmp: Path, server: tuple[str, Path] | None = None) -> di
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("bridge")
+    tmp = tmp_path_factory.mktemp("weight_sync")
     results = {}
     for world in (1, 2, 4):
         if world == 2:  # its pp2 layout's engine is a server the test started
@@ -90,7 +90,7 @@ def layouts(tmp_path_factory) -> dict:
 
 
 LAYOUTS = ["tp1", "pp2", "tp2pp2_engine_tp2"]
-KILLED = ("tp1", "tp2pp2_engine_tp2")  # bridge_worker.KILLED
+KILLED = ("tp1", "tp2pp2_engine_tp2")  # weight_sync_worker.KILLED
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -26,13 +26,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from megatron_logra.rl.policy_loss import RolloutSample
-from megatron_logra.rl.rollout_source import RolloutSource
-from megatron_logra.rollout.types import EngineError
+from megatron_logra.rl.sample_source import SampleSource
+from megatron_logra.weight_sync.contract import EngineError
 from megatron_logra.runtime.collectives import from_rank0
 
 
-class RolloutAhead:
-    def __init__(self, source: RolloutSource, train_iters: int):
+class SamplesAhead:
+    def __init__(self, source: SampleSource, train_iters: int):
         self.source, self.train_iters = source, train_iters
         self.rank0 = source.rank == 0
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollouts") if self.rank0 else None

@@ -1,8 +1,9 @@
 """Assemble full (TP=1, all stages) parameters from a sharded model, by canonical name.
 
-Small-model utility (tests, parity checks): every rank of the model-parallel
-group ends with the full state dict on CPU. Streaming export of large models
-lives in the conversion tools.
+Small-model utility of the tests (parity across layouts): every rank of the
+model-parallel group ends with the full state dict on CPU. Streaming export of large
+models lives in the conversion tools; weight sync streams to rank 0
+(``weight_sync.gathered_weights``).
 """
 
 from __future__ import annotations
