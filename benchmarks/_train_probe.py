@@ -67,7 +67,7 @@ def _storages(tensors) -> dict[int, int]:
 
 def _optimizer_tensors(megatron_opt):
     """Every tensor a megatron optimizer holds: inner torch state and its fp32 main params."""
-    from megatron_logra.training.megatron_optimizer import (fp32_main_copies, sub_optimizers,
+    from megatron_logra.runtime.megatron_optimizer import (fp32_main_copies, sub_optimizers,
                                                             torch_optimizers)
 
     for inner in torch_optimizers(megatron_opt):

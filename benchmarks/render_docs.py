@@ -101,7 +101,10 @@ def source_line(path: Path, report: dict, doc_dir: Path | None = None) -> str:
 SUMMARY_SOURCES: tuple[str, ...] = _module("summary").SOURCES
 # name -> the block: every table the docs show from a benchmark's results
 BLOCKS: dict[str, Block] = {
-    "quality": Block("quality.json", "quality"),
+    "quality": Block("quality.json", "quality_report"),
+    "quality_rank": Block("quality.json", "quality_report", "markdown_rank"),
+    "quality_controls": Block("quality.json", "quality_report", "markdown_controls"),
+    "quality_runs": Block("quality.json", "quality_report", "markdown_runs"),
     # docs/results.md's Summary and the README's Results: rows from several benchmarks
     "summary": Block(SUMMARY_SOURCES, "summary", "docs_summary"),
     "readme_results": Block(SUMMARY_SOURCES, "summary", "readme_results"),

@@ -84,7 +84,7 @@ class PolicyUpdate:
         optimizer step each (one step by default); the learning-rate schedule moves once."""
         t, rl = self.training, self.rl
         loss_fn = partial(policy_gradient_loss, self.objs.arch.vocab_size, rl.temperature,
-                          rl.policy_objective())
+                          rl.objective, rl.max_new_tokens)
         t0 = time.perf_counter()
         length = self.batch_length(samples)
         minibatches = self.minibatches(samples, length)
@@ -135,7 +135,7 @@ class PolicyUpdate:
                   "tis_capped_frac": sums["tis_capped"] / n,
                   "train_time_s": time.perf_counter() - t0,
                   "update_successful": all(o.update_successful for o in outs)}
-        if len(outs) > 1 or rl.clip_ratio_low is not None:
+        if len(outs) > 1 or rl.objective.clip_ratio_low is not None:
             record.update(optimizer_steps=len(outs), clip_frac=sums["clipped_tokens"] / n,
                           ppo_kl=sums["ppo_kl_sum"] / n,
                           steps_successful=sum(o.update_successful for o in outs))
