@@ -10,12 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-# every results file a row reads (paths under benchmarks/results/)
-SOURCES = ("memory.json", "memory_plan.json", "step_time.json",
-           "step_time_embedding_adam.json", "convert.json", "sync.json", "weight_push.json",
-           "learning.json", "faults.json", "async_rollouts.json", "throughput_model.json",
-           "figures/sketch_cosines.json", "task_signal.json")
+from _results import under_load
+
 Row = tuple[str, str, str]
+
+
+def _timed(*reports: dict) -> str:
+    """What the machine was doing while these timings were taken: under load they are
+    noisy upper bounds, not a quiet machine's figures."""
+    machines = [r["provenance"]["machine"] for r in reports]
+    loaded = [under_load(m) for m in machines]
+    if None in loaded:
+        return "timed on shared cores, load not recorded: not a quiet machine's figures"
+    worst = max(max(m["load_avg"]) for m in machines)
+    return (f"timed under load (load average up to {worst:g} on {machines[0]['cores']} cores): "
+            f"not a quiet machine's figures" if any(loaded) else
+            f"load average at most {worst:g}")
 
 
 def _memory(r: dict) -> list[Row]:
@@ -62,7 +72,8 @@ def _step_time(r: dict) -> list[Row]:
              f"{'met' if all(met.values()) else '**not all met**'}); embedding sketched and "
              f"Adam on the rest, r=256: {emb['step_time_ratio']['logra_r256_fp32']:.2f} / "
              f"{emb['step_time_ratio']['logra_r256_none']:.2f} "
-             f"({'met' if all(emb['target_met'].values()) else 'not met'})", "step-time")]
+             f"({'met' if all(emb['target_met'].values()) else 'not met'}); "
+             f"{_timed(r['step_time.json'], emb)}", "step-time")]
 
 
 def _convert(r: dict) -> list[Row]:
@@ -79,7 +90,8 @@ def _sync(r: dict) -> list[Row]:
     return [(f"weight sync into vLLM, sketch-delta / full push, SmolLM2, r={s['rank']}",
              f"bytes {s['sync_bytes_ratio']:.3f}, bit-exact: {'yes' if s['exact'] else 'no'}; "
              f"time {s['sync_time_ratio']:.1f}x on CPU (target 0.3 "
-             f"{'met' if s['sync_time_ratio'] <= 0.3 else 'not met'})", "weight-sync")]
+             f"{'met' if s['sync_time_ratio'] <= 0.3 else 'not met'}; {_timed(s)})",
+             "weight-sync")]
 
 
 def _weight_push(r: dict) -> list[Row]:
@@ -129,12 +141,13 @@ def _async(r: dict) -> list[Row]:
     best = {s: max((row for row in e["rows"] if row["mode"].startswith("async")),
                    key=lambda row: row["updates_per_h"]) for s, e in t["settings"].items()}
     modelled = ", ".join(f"{s} {row['updates_per_h']:.0f} (the paper's, synchronous: "
-                         f"{t['paper_updates_per_h'][s]['dense_adam']})" for s, row in best.items())
+                         f"{t['paper_updates_per_h'][s]['dense_adam']:.0f})" for s, row in best.items())
     return [("generation one step off (`--async-rollouts`), SmolLM2, CPU",
              f"updates/h on dedicated cores {v['dedicated async']['updates_per_h']:.0f} against "
              f"{v['dedicated sync']['updates_per_h']:.0f} synchronous "
              f"({a['ratios']['dedicated']:.2f}x); on shared cores "
-             f"{a['ratios']['shared_1']:.2f}x", "rollouts-at-node-scale-replicas-and-generation-beside-training"),
+             f"{a['ratios']['shared_1']:.2f}x; {_timed(a)}",
+             "rollouts-at-node-scale-replicas-and-generation-beside-training"),
             ("updates/h on 8 GPUs, one step off, best layout (**model**, not measured)", modelled,
              "rollouts-at-node-scale-replicas-and-generation-beside-training")]
 
@@ -162,14 +175,45 @@ def _sketches(r: dict) -> list[Row]:
              "what-logras-sketches-keep-and-how-its-update-differs-from-dense-adams-benchmarksfigurespy")]
 
 
-# in order; the quality comparison's row is benchmarks/quality.py's (issue 48's rerun)
-ROWS: list[Callable[[dict], list[Row]]] = [_memory, _memory_plan, _step_time, _convert,
-                                           _sync, _weight_push, _task_signal, _learning,
-                                           _async, _sketches, _faults]
+# in order: (the files a row reads, what it shows, its section in docs/results.md, the
+# function); a row whose file is not committed says so. The quality comparison's table is
+# benchmarks/quality_report.py's (issue 48's rerun), in its own section.
+ROWS: list[tuple[tuple[str, ...], str, str, Callable[[dict], list[Row]]]] = [
+    (("memory.json",), "model-state and peak memory per rank / dense Adam's", "memory",
+     _memory),
+    (("memory_plan.json",), "memory model vs measured; the 27B projection",
+     "the-analytic-model-and-its-projection", _memory_plan),
+    (("step_time.json", "step_time_embedding_adam.json"), "train-step time, LoGRA / dense Adam",
+     "step-time", _step_time),
+    (("convert.json",), "checkpoint conversion, peak RSS", "checkpoint-conversion", _convert),
+    (("sync.json",), "weight sync into vLLM, sketch-delta / full push", "weight-sync", _sync),
+    (("weight_push.json",), "pushes into vLLM's server",
+     "pushes-into-vllms-server-benchmarksweight_pushpy", _weight_push),
+    (("task_signal.json",), "SmolLM2 out of the box, reasoning-gym tasks",
+     "which-task-gives-smollm2-a-learning-signal-benchmarkstask_signalpy", _task_signal),
+    (("learning.json",), "RL learning, tiny model", "rl-learning-tiny-model", _learning),
+    (("async_rollouts.json", "throughput_model.json"),
+     "generation one step off (`--async-rollouts`); updates/h on 8 GPUs (model)",
+     "rollouts-at-node-scale-replicas-and-generation-beside-training", _async),
+    (("figures/sketch_cosines.json",), "SmolLM2's real RL gradients: sketch and update direction",
+     "what-logras-sketches-keep-and-how-its-update-differs-from-dense-adams-benchmarksfigurespy",
+     _sketches),
+    (("faults.json",), "faults injected into short RL jobs", "reliability-benchmarksfaultspy",
+     _faults),
+]
+# every results file a row reads (paths under benchmarks/results/)
+SOURCES = tuple(dict.fromkeys(f for needs, *_ in ROWS for f in needs))
 
 
 def _rows(reports: dict) -> list[Row]:
-    return [row for make in ROWS for row in make(reports)]
+    """Each row from its reports; a row whose files are not committed, a row saying so."""
+    rows = []
+    for needs, what, anchor, make in ROWS:
+        missing = [f for f in needs if f not in reports]
+        rows += (make(reports) if not missing else
+                 [(what, f"no committed result yet ({', '.join(missing)} not in the tree)",
+                   anchor)])
+    return rows
 
 
 def docs_summary(reports: dict) -> str:

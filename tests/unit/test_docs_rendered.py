@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -97,8 +98,62 @@ def test_a_summary_block_renders_several_results_with_a_source_line_each(tmp_pat
     sources = [line for line in out.splitlines() if line.startswith("- <sub>Source:")]
     assert len(sources) == 2 and "](results/a.json)" in sources[0]
     assert "`python benchmarks/b.py`" in sources[1]
-    # a file the summary names but that is missing is an error naming it, not a blank row
+    # a file the summary names but that is not committed: the summary gets the others,
+    # and one source line each; a file there without provenance is still refused
     (results / "b.json").unlink()
-    with pytest.raises(rd.UncitableResult, match="b.json does not exist"):
+    (tmp_path / "sum_bench.py").write_text(
+        "def both(reports):\n    return f'| files |\\n|---|\\n| {sorted(reports)} |'\n")
+    monkeypatch.delitem(sys.modules, "sum_bench")
+    out = rd.render_text("<!-- BEGIN GENERATED: s -->\n<!-- END GENERATED: s -->\n",
+                         tmp_path / "README.md")
+    assert "| ['a.json'] |" in out and out.count("<sub>Source:") == 1
+    (results / "b.json").write_text(json.dumps({"value": 4}))
+    with pytest.raises(rd.UncitableResult, match="b.json records no provenance"):
         rd.render_text("<!-- BEGIN GENERATED: s -->\n<!-- END GENERATED: s -->\n",
                        tmp_path / "README.md")
+
+
+def test_a_block_whose_result_is_not_committed_says_so(tmp_path, monkeypatch):
+    rd = _render_docs()
+    monkeypatch.setattr(rd, "RESULTS", tmp_path)
+    text = rd.BLOCKS["quality_runs"].render(REPO / "docs")
+    assert text.startswith("*No committed result yet: `benchmarks/results/quality.json`")
+    assert "`benchmarks/quality.py` writes it" in text and "Source:" not in text
+
+
+def test_a_summary_row_whose_result_is_not_committed_says_so():
+    _render_docs()  # puts benchmarks/ on the path
+    summary = importlib.import_module("summary")
+    rows = summary._rows({})  # no results at all: every row says which file it lacks
+    assert len(rows) == len(summary.ROWS)
+    assert all("no committed result yet" in figures for _, figures, _ in rows)
+    assert any("faults.json not in the tree" in figures for _, figures, _ in rows)
+    assert set(summary.SOURCES) == {f for needs, *_ in summary.ROWS for f in needs}
+
+
+@pytest.mark.parametrize("load, words", [
+    ([3.2, 2.5, 1.9], "made under load"),  # above half of 2 cores
+    ([0.4, 0.6, 0.9], None),
+    (None, "load not recorded"),
+])
+def test_the_source_line_says_how_loaded_the_machine_was(load, words):
+    rd = _render_docs()
+    from megatron_logra.runtime.provenance import provenance
+
+    prov = {**provenance(["python", "benchmarks/x.py"]), "clean": True}
+    prov["machine"] = {**prov["machine"], "cores": 2, "load_avg": load}
+    line = rd.source_line(rd.RESULTS / "x.json", {"provenance": prov})
+    if load is not None:
+        assert f"load average {load[0]:g} / {load[1]:g} / {load[2]:g}" in line
+    assert (words in line) if words else ("under load" not in line)
+
+
+def test_provenance_records_the_load_when_it_is_taken():
+    from megatron_logra.runtime.provenance import machine
+
+    before = os.getloadavg()
+    load = machine()["load_avg"]
+    after = os.getloadavg()
+    assert len(load) == 3
+    # each average between its values just before and just after (rounded to 0.01)
+    assert all(min(b, a) - 0.01 <= x <= max(b, a) + 0.01 for x, b, a in zip(load, before, after))
