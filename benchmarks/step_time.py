@@ -147,8 +147,8 @@ def markdown(report: dict) -> str:
         f"{report['seq_length']} tokens, one process each, megatron's local layer spec for "
         f"both; LoGRA's targets {report['targets']}, the rest {report['untargeted']}; medians "
         f"of {report['steps'] - 1} steps after a warm-up, the two optimizers' steps "
-        f"alternating (the steps' range shows how noisy each median is). Measured by `benchmarks/step_time.py` on "
-        f"{report['device'].upper()}.\n")
+        f"alternating (the steps' range shows how noisy each median is). Measured by "
+        f"`benchmarks/step_time.py` on {report['device'].upper()}.\n")
 
 
 if __name__ == "__main__":
