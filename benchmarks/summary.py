@@ -23,7 +23,7 @@ def _timed(*reports: dict) -> str:
     if None in loaded:
         return "timed on shared cores, load not recorded: not a quiet machine's figures"
     worst = max(max(m["load_avg"]) for m in machines)
-    return (f"timed under load (load average up to {worst:g} on {machines[0]['cores']} cores): "
+    return (f"timed under load, load average up to {worst:g} on {machines[0]['cores']} cores: "
             f"not a quiet machine's figures" if any(loaded) else
             f"load average at most {worst:g}")
 
