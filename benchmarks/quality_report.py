@@ -81,6 +81,10 @@ def summarize_run(run_dir: Path, method: str, k: int) -> dict | None:
     evals = [r for r in recs if "eval_pass@1" in r]
     if not train or not evals:
         return None
+    # the cosine's shadow Adam state is not checkpointed: after a resume it restarts empty
+    # (adam_cosine_history < step); only updates whose shadow saw every gradient count
+    whole_shadow = [r for r in train if "adam_cosine" in r
+                    and r.get("adam_cosine_history") == r["step"]]
     run = {"method": method, "seed": _seed(run_dir.name), "updates": train[-1]["step"],
            "provenance": _run_provenance(run_dir),
            "reward": [(r["step"], r["reward_mean"]) for r in train],
@@ -94,11 +98,10 @@ def summarize_run(run_dir: Path, method: str, k: int) -> dict | None:
            "kl_mismatch_avg": [(r["step"], r["kl_mismatch_avg"]) for r in train
                                if "kl_mismatch_avg" in r],
            "logprob_mismatch": statistics.fmean(r["logprob_mismatch"] for r in train),
-           "adam_cosine": [(r["step"], r["adam_cosine"]) for r in train
-                           if "adam_cosine" in r]}
+           "adam_cosine": [(r["step"], r["adam_cosine"]) for r in whole_shadow]}
     run["adam_cosine_by_kind"] = {
         kind: statistics.fmean(vals) for kind in KINDS
-        if (vals := [r[f"adam_cosine_{kind}"] for r in train if f"adam_cosine_{kind}" in r])}
+        if (vals := [r[f"adam_cosine_{kind}"] for r in whole_shadow])}
     run["adam_cosine_mean"] = (statistics.fmean(c for _, c in run["adam_cosine"])
                                if run["adam_cosine"] else float("nan"))
     # the control's check: every update's predicted KL equals its budget
@@ -265,7 +268,8 @@ def markdown_controls(summary: dict) -> str:
 
 def markdown_runs(summary: dict) -> str:
     """Every run: held-out pass@1 at each evaluation, the gain with its paired SE, its
-    evaluations' largest SE, the KL check, the cosine to dense Adam, the commit that ran it."""
+    evaluations' largest SE, the KL check, the cosine to dense Adam (over the updates whose
+    shadow Adam state saw every gradient: a resumed run's restarts), the commit that ran it."""
     lines = ["| run | seed | updates | held-out pass@1 per evaluation | gain (paired SE) | "
              "largest eval SE | updates off budget | realized KL, sum | cosine to dense "
              "Adam (qkv / proj / fc1 / fc2) | commit |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -279,7 +283,8 @@ def markdown_runs(summary: dict) -> str:
         lines.append(f"| {LABELS[r['method']]} | {r['seed']} | {r['updates']} | {curve} | "
                      f"{r['gain_pass@1']:+.3f} ({r['gain_se']:.3f}) | "
                      f"{max(se for _, se in r['eval_se']):.3f} | {len(r['budget_misses'])} | "
-                     f"{r['kl_realized_sum']:.3f} | {r['adam_cosine_mean']:.3f} ({kinds}) | "
+                     f"{r['kl_realized_sum']:.3f} | {r['adam_cosine_mean']:.3f} ({kinds}; "
+                     f"{len(r['adam_cosine'])} updates) | "
                      f"{commit}{'' if r['provenance'].get('clean') else ' (unclean)'} |")
     return "\n".join(lines)
 
