@@ -89,6 +89,7 @@ def source_line(path: Path, report: dict, doc_dir: Path | None = None) -> str:
 # name -> the block: every table the docs show from a benchmark's results
 BLOCKS: dict[str, Block] = {
     "quality": Block("quality.json", "quality_report"),
+    "quality_account": Block("quality.json", "quality_report", "markdown_account"),
     "quality_rank": Block("quality.json", "quality_report", "markdown_rank"),
     "quality_controls": Block("quality.json", "quality_report", "markdown_controls"),
     "quality_runs": Block("quality.json", "quality_report", "markdown_runs"),
