@@ -101,7 +101,8 @@ def summarize_run(run_dir: Path, method: str, k: int) -> dict | None:
            "adam_cosine": [(r["step"], r["adam_cosine"]) for r in whole_shadow]}
     run["adam_cosine_by_kind"] = {
         kind: statistics.fmean(vals) for kind in KINDS
-        if (vals := [r[f"adam_cosine_{kind}"] for r in whole_shadow])}
+        if (vals := [r[f"adam_cosine_{kind}"] for r in whole_shadow
+                     if f"adam_cosine_{kind}" in r])}
     run["adam_cosine_mean"] = (statistics.fmean(c for _, c in run["adam_cosine"])
                                if run["adam_cosine"] else float("nan"))
     # the control's check: every update's predicted KL equals its budget
