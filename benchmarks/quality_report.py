@@ -81,6 +81,10 @@ def summarize_run(run_dir: Path, method: str, k: int) -> dict | None:
     evals = [r for r in recs if "eval_pass@1" in r]
     if not train or not evals:
         return None
+    # the cosine's shadow Adam state is not checkpointed: after a resume it restarts empty
+    # (adam_cosine_history < step); only updates whose shadow saw every gradient count
+    whole_shadow = [r for r in train if "adam_cosine" in r
+                    and r.get("adam_cosine_history") == r["step"]]
     run = {"method": method, "seed": _seed(run_dir.name), "updates": train[-1]["step"],
            "provenance": _run_provenance(run_dir),
            "reward": [(r["step"], r["reward_mean"]) for r in train],
@@ -94,11 +98,11 @@ def summarize_run(run_dir: Path, method: str, k: int) -> dict | None:
            "kl_mismatch_avg": [(r["step"], r["kl_mismatch_avg"]) for r in train
                                if "kl_mismatch_avg" in r],
            "logprob_mismatch": statistics.fmean(r["logprob_mismatch"] for r in train),
-           "adam_cosine": [(r["step"], r["adam_cosine"]) for r in train
-                           if "adam_cosine" in r]}
+           "adam_cosine": [(r["step"], r["adam_cosine"]) for r in whole_shadow]}
     run["adam_cosine_by_kind"] = {
         kind: statistics.fmean(vals) for kind in KINDS
-        if (vals := [r[f"adam_cosine_{kind}"] for r in train if f"adam_cosine_{kind}" in r])}
+        if (vals := [r[f"adam_cosine_{kind}"] for r in whole_shadow
+                     if f"adam_cosine_{kind}" in r])}
     run["adam_cosine_mean"] = (statistics.fmean(c for _, c in run["adam_cosine"])
                                if run["adam_cosine"] else float("nan"))
     # the control's check: every update's predicted KL equals its budget
@@ -220,7 +224,12 @@ def _group_table(summary: dict, name: str) -> str:
     if group is None:
         return f"(no finished runs of this group yet: {', '.join(GROUPS[name][0])})"
     k = summary["setup"]["eval_samples"]
-    lines = [f"Seeds {', '.join(map(str, group['seeds']))}; mean +- SD over them.", "",
+    seeds = group["seeds"]
+    head = (f"Seeds {', '.join(map(str, seeds))}; mean +- SD over them." if len(seeds) > 1 else
+            f"One seed ({seeds[0]}) so far: no SD and no paired differences across seeds; a "
+            f"gain's SE (in the runs' table) is its evaluation's alone, not the spread between "
+            f"seeds, so nothing here is called a win or a loss.")
+    lines = [head, "",
              f"| method | pass@1 at start | final pass@1 | pass@1 gain | final pass@{k} | "
              f"train reward gain | realized KL, sum of updates | pass@1 gain per unit KL | "
              f"cosine to dense Adam's step | updates off budget |",
@@ -237,14 +246,65 @@ def _group_table(summary: dict, name: str) -> str:
     return "\n".join(lines)
 
 
+FIGURES = {  # group -> (the plot report() writes when the group has runs, its caption)
+    "comparison": ("quality.png", "dense Adam vs LoGRA vs LoRA: train reward and held-out "
+                   "pass@1 per update, mean +- SD over seeds"),
+    "rank": ("quality-rank.png", "Figure 5(a): held-out pass@1 gain per update and after "
+             "24 updates against the rank, mean +- SD over seeds"),
+    "controls": ("quality-controls.png", "Figure 6: held-out pass@1, response length, "
+                 "realized against predicted KL per step control"),
+}
+
+
+def _with_figure(summary: dict, name: str, text: str) -> str:
+    """``text`` and, when the group has runs (so the plot exists), its figure's link."""
+    if summary["groups"].get(name) is None:
+        return text
+    file, caption = FIGURES[name]
+    return f"{text}\n\n![{caption}](../benchmarks/results/{file})"
+
+
 def markdown(summary: dict) -> str:
     """The comparison: the three methods, and their paired differences."""
-    return _group_table(summary, "comparison")
+    return _with_figure(summary, "comparison", _group_table(summary, "comparison"))
+
+
+def markdown_account(summary: dict) -> str:
+    """Where LoGRA's gain is below another method's in the comparison: the measured account
+    (issue 48's item 5) of each such method against LoGRA: gain per unit of realized KL
+    (the same budget bought less) and the cosine of the update to dense Adam's step (the
+    direction the sketch keeps), with the paired difference when there are seeds for one."""
+    group = summary["groups"].get("comparison")
+    if group is None or "logra" not in group["methods"]:
+        return "(no finished comparison runs with LoGRA yet)"
+    ms, seeds = group["methods"], group["seeds"]
+    ahead = [m for m in ms if m != "logra" and ms[m]["gain_pass@1"]["mean"]
+             > ms["logra"]["gain_pass@1"]["mean"]]
+    if not ahead:
+        return (f"On seeds {', '.join(map(str, seeds))}, LoGRA's mean held-out gain is not "
+                f"below any other method's.")
+    pairs = {(p["a"], p["b"]): p for p in group["pairs"]}
+    lines = ["| method ahead of LoGRA r=64 | its gain - LoGRA's (seeds) | its pass@1 gain per "
+             "unit KL / LoGRA's | its cosine to dense Adam's step / LoGRA's |",
+             "|---|---|---|---|"]
+    for m in ahead:
+        pair = pairs.get(("logra", m)) or pairs.get((m, "logra"))
+        diff = ms[m]["gain_pass@1"]["mean"] - ms["logra"]["gain_pass@1"]["mean"]
+        reading = pair and (pair["verdict"] if pair["verdict"] == "within noise" else
+                            f"LoGRA {pair['verdict']}")
+        called = (f" +- {pair['se']:.3f} (SE; {reading})" if pair else
+                  " (one seed: no SE across seeds)")
+        lines.append(f"| {LABELS[m]} | {diff:+.3f}{called} | "
+                     f"{ms[m]['gain_pass@1_per_kl']['mean']:+.2f} / "
+                     f"{ms['logra']['gain_pass@1_per_kl']['mean']:+.2f} | "
+                     f"{ms[m]['adam_cosine_mean']['mean']:.3f} / "
+                     f"{ms['logra']['adam_cosine_mean']['mean']:.3f} |")
+    return "\n".join(lines)
 
 
 def markdown_rank(summary: dict) -> str:
     """Figure 5(a)'s table: LoGRA at r = 16, 64, 256 on the same seeds."""
-    return _group_table(summary, "rank")
+    return _with_figure(summary, "rank", _group_table(summary, "rank"))
 
 
 def markdown_controls(summary: dict) -> str:
@@ -260,12 +320,13 @@ def markdown_controls(summary: dict) -> str:
         lines.append(f"| {LABELS[method]} | {_pm(m['kl_budget_mean'], '.2e')} | "
                      f"{_pm(m['kl_realized_over_pred_max'], '.2f')} | "
                      f"{_pm(m['final_response_len'], '.2f')} |")
-    return text + "\n" + "\n".join(lines)
+    return _with_figure(summary, "controls", text + "\n" + "\n".join(lines))
 
 
 def markdown_runs(summary: dict) -> str:
     """Every run: held-out pass@1 at each evaluation, the gain with its paired SE, its
-    evaluations' largest SE, the KL check, the cosine to dense Adam, the commit that ran it."""
+    evaluations' largest SE, the KL check, the cosine to dense Adam (over the updates whose
+    shadow Adam state saw every gradient: a resumed run's restarts), the commit that ran it."""
     lines = ["| run | seed | updates | held-out pass@1 per evaluation | gain (paired SE) | "
              "largest eval SE | updates off budget | realized KL, sum | cosine to dense "
              "Adam (qkv / proj / fc1 / fc2) | commit |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -279,7 +340,8 @@ def markdown_runs(summary: dict) -> str:
         lines.append(f"| {LABELS[r['method']]} | {r['seed']} | {r['updates']} | {curve} | "
                      f"{r['gain_pass@1']:+.3f} ({r['gain_se']:.3f}) | "
                      f"{max(se for _, se in r['eval_se']):.3f} | {len(r['budget_misses'])} | "
-                     f"{r['kl_realized_sum']:.3f} | {r['adam_cosine_mean']:.3f} ({kinds}) | "
+                     f"{r['kl_realized_sum']:.3f} | {r['adam_cosine_mean']:.3f} ({kinds}; "
+                     f"{len(r['adam_cosine'])} updates) | "
                      f"{commit}{'' if r['provenance'].get('clean') else ' (unclean)'} |")
     return "\n".join(lines)
 

@@ -125,6 +125,8 @@ SUMMARY_SOURCES: tuple[str, ...] = _module("summary").SOURCES
 # name -> the block: every table the docs show from a benchmark's results
 BLOCKS: dict[str, Block] = {
     "quality": Block("quality.json", "quality_report", made_by="benchmarks/quality.py"),
+    "quality_account": Block("quality.json", "quality_report", "markdown_account",
+                             "benchmarks/quality.py"),
     "quality_rank": Block("quality.json", "quality_report", "markdown_rank",
                           "benchmarks/quality.py"),
     "quality_controls": Block("quality.json", "quality_report", "markdown_controls",
