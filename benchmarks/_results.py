@@ -36,5 +36,13 @@ def save(name: str, report: dict, table: str, directory: str | Path | None = Non
     return out / f"{name}.md"
 
 
+def under_load(machine: dict) -> bool | None:
+    """Whether the machine was loaded when a result was saved (any 1/5/15-minute load
+    average above half its cores: other work shared them, so a timing in it is an upper
+    bound); None when the result records no load (made before provenance recorded it)."""
+    load = machine.get("load_avg")
+    return None if load is None else max(load) > 0.5 * machine["cores"]
+
+
 def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.0f}"

@@ -2,6 +2,7 @@
 on the demo's setup (CPU figures).
 
     .venv/bin/python benchmarks/async_rollouts.py [--updates 6] [--repeats 2] [--save async_rollouts]
+        [--warm-start runs/quality-long/warm-start/ckpt]
 
 SmolLM2-135M-Instruct warm-started on gcd (the quality benchmark's warm start), LoGRA
 r=64 with predicted-KL control and full-weight pushes, 16 prompts x 4 responses per
@@ -53,7 +54,7 @@ VARIANTS = {
 }
 
 
-def run_variant(name: str, repeat: int, updates: int) -> Path:
+def run_variant(name: str, repeat: int, updates: int, warm_start: Path = WARM_START) -> Path:
     """One run (skipped when its metrics are complete); its metrics.jsonl."""
     out = RUNS / f"{name.replace(' ', '-').replace(',', '')}-{repeat}"
     metrics = out / "metrics.jsonl"
@@ -62,7 +63,7 @@ def run_variant(name: str, repeat: int, updates: int) -> Path:
     if out.exists():
         subprocess.run(["rm", "-rf", str(out)], check=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           str(REPO / "launch" / "pretrain_rl.py"), *DEMO, "--load", str(WARM_START),
+           str(REPO / "launch" / "pretrain_rl.py"), *DEMO, "--load", str(warm_start),
            "--train-iters", str(updates), "--output-dir", str(out), "--save", str(out / "ckpt"),
            *VARIANTS[name]]
     print(f"[async_rollouts] {name} (repeat {repeat + 1})", flush=True)
@@ -92,7 +93,7 @@ def summarize(records: list[dict]) -> dict:
                                  for r in records)}
 
 
-def table(report: dict) -> str:
+def markdown(report: dict) -> str:
     rows = ["| variant | updates | s / update | rollout s | train s | push s | updates / h | "
             "trainer waits | engines idle |", "|---|---|---|---|---|---|---|---|---|"]
     for name, v in report["variants"].items():
@@ -114,16 +115,19 @@ def main(argv=None) -> None:
     p.add_argument("--updates", type=int, default=6)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--warm-start", type=Path, default=WARM_START,
+                   help="the SmolLM2 gcd warm start (benchmarks/quality.py makes one)")
     p.add_argument("--save", metavar="NAME", help="write benchmarks/results/NAME.{json,md}")
     args = p.parse_args(argv)
-    if not (WARM_START / "latest").is_file():
-        raise SystemExit(f"needs {WARM_START}: run benchmarks/quality.py once (it makes the "
-                         f"warm start)")
+    if not (args.warm_start / "latest").is_file():
+        raise SystemExit(f"needs {args.warm_start}: run benchmarks/quality.py once (it makes "
+                         f"the warm start), or pass --warm-start")
     names = args.variants.split(",")
     records: dict[str, list[dict]] = {n: [] for n in names}
     for repeat in range(args.repeats):
         for name in names:
-            records[name] += _updates(run_variant(name, repeat, args.updates))[1:]
+            records[name] += _updates(run_variant(name, repeat, args.updates,
+                                                  args.warm_start))[1:]
     variants = {n: summarize(r) for n, r in records.items()}
     per_h = {n: v["updates_per_h"] for n, v in variants.items()}
     ratio = lambda a, b: per_h[a] / per_h[b] if a in per_h and b in per_h else float("nan")  # noqa: E731
@@ -138,7 +142,7 @@ def main(argv=None) -> None:
                  f"variant in turns, each run's first update left out; measured by "
                  f"benchmarks/async_rollouts.py."}
     if args.save:
-        save(args.save, report, table(report))
+        save(args.save, report, markdown(report))
     print(json.dumps(report))
 
 

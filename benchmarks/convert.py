@@ -1,10 +1,12 @@
 """SmolLM2-135M conversion both ways: wall time and peak RSS, printed as JSON.
 
-    .venv/bin/python benchmarks/convert.py [--work-dir DIR]
+    .venv/bin/python benchmarks/convert.py [--work-dir DIR] [--save]
 
 Each measurement runs in a fresh subprocess: after its imports it records the
-resident set (the interpreter + torch + megatron baseline), runs one job, and
-reports the peak RSS (``ru_maxrss``) minus that baseline. Side by side:
+resident set (the interpreter + torch + megatron baseline), resets the kernel's peak to
+it, runs one job, and reports the peak RSS (``VmHWM``) minus that baseline. Not
+``ru_maxrss``: a child started by vfork + exec inherits its parent's peak there (this
+script's own peak, a GB when it has just converted the GGUF). Side by side:
 
 * ``hf_to_megatron``: the HF folder (fp32) -> megatron torch_dist checkpoint, fp32.
 * ``megatron_to_hf``: that checkpoint -> HF safetensors, bf16, 64 MiB shards.
@@ -15,27 +17,45 @@ Streaming means each converter's ``peak_rss_over_baseline`` stays near
 ``largest_tensor_bytes`` plus a constant, well below ``model_bytes``
 (megatron -> HF holds about two copies of the largest tensor: torch DCP's reader
 deserialises a stored chunk and copies it into the destination). The last line
-of stdout is the JSON report.
+of stdout is the JSON report (``--save``: also benchmarks/results/convert.json and
+convert.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from _results import mib, save
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _rss_bytes() -> int:
-    import psutil
+    return _status_bytes("VmRSS")
 
-    return psutil.Process().memory_info().rss
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"no {field} in /proc/self/status: this benchmark needs Linux")
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak RSS since the last reset (VmHWM: per address space, so not the
+    parent's, unlike ru_maxrss after vfork + exec)."""
+    return _status_bytes("VmHWM")
+
+
+def _reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets VmHWM to the current RSS."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def _child(job: str, src: str, out: str) -> None:
@@ -48,6 +68,7 @@ def _child(job: str, src: str, out: str) -> None:
 
     _init_single_process()
     baseline = _rss_bytes()
+    _reset_peak_rss()
     start = time.perf_counter()
     if job == "hf_to_megatron":
         hf_to_megatron(src, out, dtype=torch.float32, log=lambda msg: None)
@@ -61,7 +82,7 @@ def _child(job: str, src: str, out: str) -> None:
     else:
         raise SystemExit(f"unknown job {job!r}")
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = _peak_rss_bytes()
     print(json.dumps({"seconds": round(seconds, 3), "baseline_rss_bytes": baseline,
                       "peak_rss_over_baseline_bytes": max(0, peak - baseline)}))
 
@@ -86,6 +107,8 @@ def _tensor_bytes(folder: Path) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work-dir", help="where to write the outputs (default: a temp dir)")
+    parser.add_argument("--save", action="store_true",
+                        help="also write benchmarks/results/convert.json and convert.md")
     args = parser.parse_args()
     from megatron_logra.convert.gguf import ensure_smollm2_hf
 
@@ -114,7 +137,28 @@ def main() -> None:
     # the measure sees a whole model when one is held, and the converters stay far below it
     report["streaming_ok"] = whole >= 0.9 * model_bytes and all(p < 0.5 * whole for p in streamed)
     report["whole_model_over_streaming_ratio"] = round(whole / max(streamed), 2)
+    if args.save:
+        save("convert", report, markdown(report))
     print(json.dumps(report))
+
+
+def markdown(report: dict) -> str:
+    """Markdown: each direction's wall time and peak RSS over the interpreter's baseline,
+    against the largest tensor, and what holding the whole model takes."""
+    largest = report["largest_tensor_bytes"]
+    lines = ["| job | time (s) | peak RSS over baseline (MiB) | / largest tensor |",
+             "|---|---|---|---|"]
+    for job, label in (("hf_to_megatron", "HF -> megatron (fp32)"),
+                       ("megatron_to_hf", "megatron -> HF (bf16)"),
+                       ("load_whole_model", "holding every tensor at once (reference)")):
+        r = report[job]
+        lines.append(f"| {label} | {r['seconds']:.1f} | {mib(r['peak_rss_over_baseline_bytes'])} "
+                     f"| {r['rss_over_largest_tensor_ratio']:.1f} |")
+    return "\n".join(lines) + (
+        f"\n\n{report['model']}: {mib(report['model_bytes'])} MiB of tensors, the largest "
+        f"{mib(largest)} MiB. Streaming (each converter under half the whole model's peak): "
+        f"{'yes' if report['streaming_ok'] else '**no**'}; holding the whole model takes "
+        f"{report['whole_model_over_streaming_ratio']}x the larger converter's peak.\n")
 
 
 if __name__ == "__main__":

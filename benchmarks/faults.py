@@ -145,7 +145,7 @@ def _measure(name: str, job: Launch, run: Path, reference: Path,
     return out
 
 
-def _table(report: dict) -> str:
+def markdown(report: dict) -> str:
     head = ("| case | fault | completed | updates lost | checkpoints refused | saves dropped "
             "| mismatches | resumes | engine restarts | orphans | leaked shm | wall s |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
@@ -156,18 +156,14 @@ def _table(report: dict) -> str:
         f"{c['leaked_shm']} | "
         f"{c['seconds']} |\n" for c in report["cases"])
     s = report["summary"]
-    return (f"# Faults injected into short RL jobs (CPU, this machine)\n\n"
-            f"`{report['command']}`: DP2 on gloo, tiny model, real vLLM engine, LoGRA with "
-            f"sketch-delta sync, bf16, predicted-KL control, 4 updates, a checkpoint every "
-            f"{SAVE_INTERVAL}, `torchrun --max-restarts 1`. Mismatches: updates whose "
-            f"metrics differ from an uninterrupted job's, the final weights, and the "
-            f"engine's tensors against the trainer's (an asynchronous job: the updates "
-            f"before its batch was generated again, at newer weights by design; its "
-            f"samples lost: {s['samples_lost']}).\n\n{head}{rows}\n"
+    return (f"{head}{rows}\n"
             f"**{s['faults_injected']} faults, {s['runs_completed']} jobs completed, at most "
-            f"{s['max_updates_lost']} updates lost (checkpoint interval {SAVE_INTERVAL}), "
+            f"{s['max_updates_lost']} updates lost (checkpoint interval {report['save_interval']}), "
             f"{s['mismatches']} mismatches, {s['orphans']} orphans, {s['leaked_shm']} leaked "
-            f"shm entries; targets met: {s['targets_met']}.**\n")
+            f"shm entries, {s['samples_lost']} samples lost; targets "
+            f"met: {s['targets_met']}.** DP2 on gloo, tiny model, vLLM's own server, LoGRA "
+            f"with sketch-delta sync, bf16, predicted-KL control, 4 updates, a checkpoint every "
+            f"{report['save_interval']}, `torchrun --max-restarts 1`.\n")
 
 
 def main() -> None:
@@ -229,10 +225,10 @@ def main() -> None:
                               and summary["max_updates_lost"] <= SAVE_INTERVAL
                               and summary["mismatches"] == summary["orphans"]
                               == summary["leaked_shm"] == summary["samples_lost"] == 0)
-    report = {"command": "benchmarks/faults.py" + (f" --only {args.only}" if args.only else ""),
+    report = {"benchmark": "faults", "save_interval": SAVE_INTERVAL,
               "cases": results, "summary": summary,
               "torch": torch.__version__, "device": "cpu"}
-    print(f"[faults] table: {save('faults', report, _table(report), args.out)}", flush=True)
+    print(f"[faults] table: {save('faults', report, markdown(report), args.out)}", flush=True)
     print(json.dumps(report))
     shutil.rmtree(tmp, ignore_errors=True)
 

@@ -9,7 +9,8 @@ benchmarks/quality_report.py.)
     python benchmarks/figures.py draw                      # every PNG again, from the JSON
 
 ``collect`` runs dense Adam RL in one process from the quality setup's SFT warm start
-(SmolLM2-135M-Instruct: ``runs/quality/warm-start/ckpt``, made by benchmarks/quality.py;
+(SmolLM2-135M-Instruct: ``--warm-start``, default ``runs/quality/warm-start/ckpt``, made
+by benchmarks/quality.py;
 the tiny model: a warm start of its own, as tests/integration/test_rl_learning.py), with
 real vLLM rollouts and the gcd verifier, and saves the gradient G of every sketched
 weight (q/k/v/o/gate/up/down: megatron's fused qkv and fc1, proj, fc2) of each update,
@@ -28,8 +29,9 @@ as the optimizer is about to step.
   width (tiny model vs SmolLM2).
 
 Projections are the project's own (``logra.projection``: counter-based, seeded per
-update and weight). Written to ``benchmarks/results/figures/``: ``sketch_cosines.json``,
-``fig5b.png``, ``fig5c.png``, ``update_cosine.png``. Every figure is a CPU one.
+update and weight). Written to ``benchmarks/results/figures/``: ``sketch_cosines.json``
+(with its provenance and each collect run's), ``fig5b.png``, ``fig5c.png``,
+``update_cosine.png``. Every figure is a CPU one.
 """
 
 from __future__ import annotations
@@ -41,15 +43,18 @@ import sys
 from pathlib import Path
 
 import torch
+from _results import write_json
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "runs" / "figures"
 RESULTS = REPO / "benchmarks" / "results" / "figures"
+SKETCH_COSINES = RESULTS / "sketch_cosines.json"  # {"models": {model: ...}, "provenance"}
 RANKS = (16, 64, 256)
 SKETCHED = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight",
             "linear_fc2.weight")
 # the quality setup's dense Adam run (recipes/quality/dense.yaml) in one process
 SMOLLM2 = ["--config", "recipes/quality/dense.yaml", "--pipeline-model-parallel-size", "1"]
+SMOLLM2_WARM_START = REPO / "runs" / "quality" / "warm-start" / "ckpt"
 # the tiny model's RL learning test (tests/integration/test_rl_learning.py): its SFT warm
 # start (recipes/paper/cpu-sft.yaml) and its dense Adam RL settings
 TINY_SFT = ["--config", "recipes/paper/cpu-sft.yaml"]
@@ -67,15 +72,19 @@ def _sketched_params(model) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in unwrap(model[0]).named_parameters() if n.endswith(SKETCHED)}
 
 
-def collect(model: str, updates: int) -> Path:
+def collect(model: str, updates: int, warm_start: Path = SMOLLM2_WARM_START) -> Path:
     """Run ``updates`` dense Adam RL updates and save each one's sketched-weight gradients
-    (fp32, megatron's layout) to runs/figures/grads-MODEL/update_NNN.pt."""
+    (fp32, megatron's layout) to runs/figures/grads-MODEL/update_NNN.pt (SmolLM2 from
+    ``warm_start``; the run's config.json records the provenance)."""
     from megatron_logra.cli import parse_run_config
     from megatron_logra.rl.stage import RLStage
 
     out = RUNS / f"grads-{model}"
     out.mkdir(parents=True, exist_ok=True)
-    argv = (SMOLLM2 + ["--load", str(REPO / "runs/quality/warm-start/ckpt"), "--finetune"]
+    if model == "smollm2" and not (Path(warm_start) / "latest").is_file():
+        raise SystemExit(f"no SmolLM2 warm start at {warm_start}: run benchmarks/quality.py "
+                         f"once (it makes one), or pass --warm-start")
+    argv = (SMOLLM2 + ["--load", str(warm_start), "--finetune"]
             if model == "smollm2" else TINY_RL + ["--load", str(_tiny_warm_start())])
     run = RLStage(parse_run_config([*argv, "--train-iters", str(updates), "--output-dir",
                                   str(out / "run"), "--seed", "1", "--rollout-seed", "1"]))
@@ -242,6 +251,68 @@ def sketch_cosines(model: str, seed: int = 1) -> dict:
     return out
 
 
+# --- tables (docs/results.md renders them from sketch_cosines.json) ---------------------
+MODEL_NAMES = {"smollm2": "SmolLM2", "tiny": "tiny"}
+
+
+def _width(d: dict) -> int:
+    """The model's hidden size: the narrowest input of layer 0's sketched weights."""
+    return min(d["layers"]["0"]["width"].values())
+
+
+def _layer_mean(d: dict, rank: int, value) -> float:
+    return sum(value(layer[f"r{rank}"]) for layer in d["layers"].values()) / len(d["layers"])
+
+
+def sketch_table(report: dict) -> str:
+    """Markdown: Figures 5(b) and 5(c) as numbers (mean over layers), then what holds in
+    every layer: refreshed A above fixed A, and Rademacher against Gaussian per layer."""
+    models = report["models"]
+    lines = ["| model (layer width) | r | one update | accumulated, fixed A | accumulated, "
+             "refreshed A (LoGRA) | refreshed, Gaussian A |", "|---|---|---|---|---|---|"]
+    for m, d in models.items():
+        for r in d["ranks"]:
+            acc = lambda v: _layer_mean(d, r, lambda x: x["accumulated"][v])  # noqa: E731
+            one = _layer_mean(d, r, lambda x: x["single"]["refreshed-rademacher"])
+            lines.append(f"| {MODEL_NAMES.get(m, m)} ({_width(d)}) | {r} | {one:.3f} | "
+                         f"{acc('fixed-rademacher'):.3f} | {acc('refreshed-rademacher'):.3f} | "
+                         f"{acc('refreshed-gaussian'):.3f} |")
+    notes = []
+    for m, d in models.items():
+        layers = d["layers"].values()
+        above = all(layer[f"r{r}"]["accumulated"]["refreshed-rademacher"]
+                    > layer[f"r{r}"]["accumulated"]["fixed-rademacher"]
+                    for layer in layers for r in d["ranks"])
+        gap = lambda x: abs(x["accumulated"]["refreshed-rademacher"]  # noqa: E731
+                            - x["accumulated"]["refreshed-gaussian"])
+        mean_gap = max(abs(_layer_mean(d, r, lambda x: x["accumulated"]["refreshed-rademacher"])
+                           - _layer_mean(d, r, lambda x: x["accumulated"]["refreshed-gaussian"]))
+                       for r in d["ranks"])
+        layer_gap = max(gap(layer[f"r{r}"]) for layer in layers for r in d["ranks"])
+        notes.append(f"- {MODEL_NAMES.get(m, m)} ({len(d['layers'])} layers, {d['updates']} "
+                     f"updates): refreshed A above fixed A in every layer at every rank: "
+                     f"{'yes' if above else 'no'}; Rademacher against Gaussian (accumulated), "
+                     f"largest difference of the layer means {mean_gap:.3f}, of a single layer "
+                     f"{layer_gap:.3f}.")
+    return ("\n".join(lines) + "\n\nMean over layers of cos(reconstruction, true gradient); "
+            "accumulated: cos(sum_t G_t A_t^T A_t, sum_t G_t) over the updates.\n\n"
+            + "\n".join(notes) + "\n")
+
+
+def update_cosine_table(report: dict) -> str:
+    """Markdown: cos(LoGRA's update, dense Adam's) per model and rank, with the rank as a
+    share of the width, against RowAdam without a sketch (mean over layers and updates)."""
+    lines = ["| model (layer width) | r | r / width | cos(LoGRA, dense Adam) | unsketched "
+             "RowAdam vs dense Adam |", "|---|---|---|---|---|"]
+    for m, d in report["models"].items():
+        for r in d["ranks"]:
+            lines.append(f"| {MODEL_NAMES.get(m, m)} ({_width(d)}) | {r} | "
+                         f"{r / _width(d):.3g} | "
+                         f"{_layer_mean(d, r, lambda x: x['update_cosine']):.3f} | "
+                         f"{_layer_mean(d, r, lambda x: x['update_cosine_unsketched']):.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 # --- draw ----------------------------------------------------------------------------------
 def _heatmaps(data: dict, pairs: list[tuple[str, str, str]], title: str, path: Path) -> None:
     """Rows: layers; columns: ranks; one shared colour scale over every panel."""
@@ -308,12 +379,17 @@ def _update_cosine_plot(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _collect_provenance(model: str) -> dict | None:
+    """The provenance the collect run's config.json recorded (None for an older run)."""
+    config = RUNS / f"grads-{model}" / "run" / "config.json"
+    return json.loads(config.read_text()).get("provenance") if config.is_file() else None
+
+
 def draw() -> list[str]:
     """Every figure from its JSON (those whose data exist)."""
     drawn = []
-    data_path = RESULTS / "sketch_cosines.json"
-    if data_path.is_file():
-        data = json.loads(data_path.read_text())
+    if SKETCH_COSINES.is_file():
+        data = json.loads(SKETCH_COSINES.read_text())["models"]
         _heatmaps(data, [("fixed-rademacher", "accumulated", "fixed A, accumulated"),
                          ("refreshed-rademacher", "accumulated", "refreshed A, accumulated"),
                          ("refreshed-rademacher", "single", "one update")],
@@ -333,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("collect", help="real RL gradients of a dense Adam run")
     c.add_argument("--model", choices=("smollm2", "tiny"), required=True)
     c.add_argument("--updates", type=int, default=8)
+    c.add_argument("--warm-start", type=Path, default=SMOLLM2_WARM_START,
+                   help="SmolLM2's SFT warm start (benchmarks/quality.py makes it)")
     s = sub.add_parser("sketches", help="the cosines of every collected model -> JSON, PNGs")
     s.add_argument("--models", default="smollm2,tiny")
     sub.add_parser("draw", help="every PNG again from the JSON files")
@@ -341,16 +419,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "collect":
         if args.updates < 1:
             p.error("--updates must be >= 1")
-        print(f"[figures] gradients in {collect(args.model, args.updates)}", flush=True)
+        print(f"[figures] gradients in {collect(args.model, args.updates, args.warm_start)}",
+              flush=True)
         return 0
     if args.command == "sketches":
-        fresh = {m: sketch_cosines(m) for m in args.models.split(",")
-                 if (RUNS / f"grads-{m}").is_dir()}
-        if not fresh:
-            p.error(f"no collected gradients under {RUNS}: run collect first")
-        path = RESULTS / "sketch_cosines.json"  # other models' entries are kept
-        data = json.loads(path.read_text()) if path.is_file() else {}
-        path.write_text(json.dumps({**data, **fresh}, indent=1) + "\n")
+        models = args.models.split(",")
+        missing = [m for m in models if not (RUNS / f"grads-{m}").is_dir()]
+        if missing:
+            p.error(f"no collected gradients for {missing} under {RUNS}: run collect first")
+        report = {"models": {m: sketch_cosines(m) for m in models},
+                  # each model's gradients: the collect run's own provenance
+                  "collected_by": {m: _collect_provenance(m) for m in models}}
+        write_json(SKETCH_COSINES, report)
     print(json.dumps({"drawn": draw()}))
     return 0
 

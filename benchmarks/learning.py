@@ -42,14 +42,20 @@ def _run(method: str, seed: str) -> dict:
     return got
 
 
-def table(report: dict) -> str:
+def markdown(report: dict) -> str:
+    """Markdown: per method (its flags) and seed, pass@1 before -> after and the paired
+    gain +- one SE."""
     seeds = list(next(iter(report["runs"].values())))
-    rows = ["| method | " + " | ".join(seeds) + " |", "|---|" + "---|" * len(seeds)]
+    seed_flags = report.get("seed_flags", {})
+    head = [f"{s} (`{' '.join(seed_flags[s])}`)" if seed_flags.get(s) else s for s in seeds]
+    rows = ["| method | " + " | ".join(head) + " |", "|---|" + "---|" * len(seeds)]
     for method, by_seed in report["runs"].items():
+        flags = report.get("method_flags", {}).get(method)
         cells = [f"{g['before']:.3f} -> {g['after']:.3f}: **{g['gain']:+.3f} +- {g['se']:.3f}** "
                  f"({g['gain'] / g['se']:.1f} SE){'' if g['passes'] else ', below the margin'}"
                  for g in by_seed.values()]
-        rows.append(f"| {method} | " + " | ".join(cells) + " |")
+        label = f"{method} (`{' '.join(flags)}`)" if flags else method
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n\n" + report["setup"] + "\n"
 
 
@@ -60,14 +66,16 @@ def main(argv=None) -> None:
     p.add_argument("--save", metavar="NAME", help="write benchmarks/results/NAME.{json,md}")
     args = p.parse_args(argv)
     runs = {m: {s: _run(m, s) for s in args.seeds.split(",")} for m in args.methods.split(",")}
-    report = {"runs": runs, "min_gain": MIN_GAIN, "setup": (
+    report = {"benchmark": "learning", "runs": runs, "min_gain": MIN_GAIN,
+              "method_flags": {m: OPTIMIZERS[m] for m in runs},
+              "seed_flags": {s: SEEDS[s] for s in args.seeds.split(",")}, "setup": (
         "The tiny model (hidden 128, 4 layers, byte vocabulary) after 60 SFT updates on gcd, "
         "30 GRPO updates of 32 prompts x 8 responses, real vLLM rollouts and gcd verifier; "
         "held-out pass@1 on 512 prompts x 2 samples at temperature 1.0, paired gain +- one "
-        f"SE; a run passes at >= {MIN_GAIN} and > 3 SE. Seed 2: the RL run with --seed 7 --rollout-seed 3 (the same warm start). "
+        f"SE; a run passes at >= {MIN_GAIN} and > 3 SE. Every seed starts from the same warm start. "
         "CPU figures, benchmarks/learning.py.")}
     if args.save:
-        save(args.save, report, table(report))
+        save(args.save, report, markdown(report))
     print(json.dumps(report))
 
 

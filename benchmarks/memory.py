@@ -106,11 +106,11 @@ def main(argv=None) -> None:
     params = layouts[next(iter(layouts))]["runs"]["dense_adam"]["params"]
     report = {"benchmark": "memory", **spec, "params_rank0": params, "layouts": layouts}
     if args.save:
-        save("memory", report, table(report))
+        save("memory", report, markdown(report))
     print(json.dumps(report))
 
 
-def table(report: dict) -> str:
+def markdown(report: dict) -> str:
     """Markdown: per layout and method, the busiest rank's model state and peak (MiB) and
     their ratios to dense Adam at the same layout."""
     lines = ["| layout | method | model state (MiB) | / dense Adam | peak (MiB) | / dense Adam |",

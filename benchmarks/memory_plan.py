@@ -55,16 +55,21 @@ def main(argv=None) -> None:
                               capture_output=True, text=True, check=True)
         measured = json.loads(proc.stdout.strip().splitlines()[-1])
     gibs = [float(g) for g in args.gpu_gib.split(",")]
-    report = {"benchmark": "memory_plan", "gpu_gib": gibs, "validation": validate(measured),
-              "projection": project(gibs), "engine_placements": placements(gibs)}
+    report = {"benchmark": "memory_plan", "gpu_gib": gibs,
+              "measured": {"source": args.measured or "benchmarks/memory.py, run now",
+                           "shape": measured["shape"], "device": measured["device"],
+                           "provenance": measured.get("provenance")},
+              "validation": validate(measured), "projection": project(gibs),
+              "engine_placements": placements(gibs)}
     if args.save:
-        save("memory_plan", report, table(report, measured))
+        save("memory_plan", report, markdown(report))
     print(json.dumps(report))
 
 
-def table(report: dict, measured: dict) -> str:
+def markdown(report: dict) -> str:
     """Markdown: the validation, then per projected model the busiest rank's peak (GiB) per
     layout and method, marked where it fits 90% of each GPU size."""
+    measured = report["measured"]
     lines = [f"Validation against `benchmarks/memory.py` ({measured['shape']} shape, "
              f"{measured['device'].upper()}), busiest rank:", "",
              "| layout and method | model state: predicted / measured (MiB) | error | "
@@ -136,6 +141,61 @@ def engine_table(report: dict) -> list[str]:
             lines.append(f"| {variant} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines
+
+
+LABELS = {"dense_adam": "dense Adam", "logra_fp32_master": "LoGRA (fp32 master)",
+          "logra_none": "LoGRA (bf16 only)", "lora": "LoRA"}
+
+
+def validation_summary(report: dict) -> str:
+    """Markdown: per method, the model's largest error against every measured layout."""
+    rows = [v | {"key": k} for k, v in report["validation"].items() if k != "ok"]
+    lines = ["| method | layouts measured | model state: largest error | peak: error, "
+             "smallest - largest (worst layout) |", "|---|---|---|---|"]
+    for variant, label in LABELS.items():
+        mine = [r for r in rows if r["key"].split(" ", 1)[1] == variant]
+        if not mine:
+            continue
+        worst = max(mine, key=lambda r: r["peak_rel_error"])
+        lines.append(
+            f"| {label} | {', '.join(r['key'].split(' ', 1)[0] for r in mine)} | "
+            f"{max(r['state_rel_error'] for r in mine):.1%} | "
+            f"{min(r['peak_rel_error'] for r in mine):.1%} - {worst['peak_rel_error']:.1%} "
+            f"({worst['key'].split(' ', 1)[0]}) |")
+    return "\n".join(lines) + (
+        f"\n\nEvery layout and method within the model's tolerances: "
+        f"{'yes' if report['validation']['ok'] else '**no**'}.\n")
+
+
+def projection_table(report: dict, model: str = "27B") -> str:
+    """Markdown: ``model``'s projected peak GiB per layout and method, marked where it fits
+    only the larger GPU or neither, and how many layouts fit each GPU size."""
+    entry, gibs = report["projection"][model], report["gpu_gib"]
+    small, large = gibs[0], gibs[-1]
+    lines = [f"| {model} layout | " + " | ".join(LABELS.values()) + " |",
+             "|---|" + "---|" * len(LABELS)]
+    for row in entry["layouts"]:
+        cells = []
+        for variant in LABELS:
+            got = row.get(variant)
+            if got is None:
+                cells.append("- (the CLI refuses it)")
+                continue
+            fit_small, fit_large = got[f"fits_{small:g}gib"], got[f"fits_{large:g}gib"]
+            note = ("" if fit_small else f" ({large:g} GiB only)" if fit_large
+                    else " (fits neither)")
+            cells.append(f"{got['peak_gib']}{note}")
+        lines.append(f"| {row['layout']} | " + " | ".join(cells) + " |")
+    listed = {v: sum(v in row for row in entry["layouts"]) for v in LABELS}
+    fits = "; ".join(
+        f"on 8 x {g:g} GiB: " + ", ".join(
+            f"{label} {len(entry['fits'][f'{g:g}gib'][v])} of {listed[v]}"
+            for v, label in LABELS.items()) for g in gibs)
+    return "\n".join(lines) + (
+        f"\n\nLayouts that fit under 90% of the GPU, {fits}. {model}: "
+        f"{entry['params'] / 1e9:.2f}B parameters (`{entry['config']}`); the paper's Table 1, "
+        f"average GiB per GPU: dense Adam {entry['paper_table1_avg_gib']['dense_adam']}, LoGRA "
+        f"{entry['paper_table1_avg_gib']['logra']}.\n")
 
 
 if __name__ == "__main__":

@@ -43,21 +43,42 @@ class UncitableResult(ValueError):
 
 @dataclass(frozen=True)
 class Block:
-    """One generated block: ``render(report) -> markdown`` of ``results/source``."""
+    """One generated block: ``render(report) -> markdown`` of ``results/source``; with several
+    sources, ``render({source: report}) -> markdown`` (a summary of several benchmarks),
+    then one source line per file, in a list.
 
-    source: str  # path under benchmarks/results/
+    A results file that is not in the tree is no error: its block says that no result is
+    committed yet and which benchmark writes it (a summary passes the files it has, and
+    its rows say which are missing). A file that is there but has no clean provenance is
+    refused (``UncitableResult``)."""
+
+    source: str | tuple[str, ...]  # path(s) under benchmarks/results/
     module: str  # the benchmark module (benchmarks/MODULE.py) that renders it
     function: str = "markdown"
+    made_by: str = ""  # the script that writes the file, when it is not benchmarks/MODULE.py
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.source,) if isinstance(self.source, str) else tuple(self.source)
 
     def render(self, doc_dir: Path) -> str:
-        """The block for a doc in ``doc_dir`` (its source link is relative to it)."""
-        path = RESULTS / self.source
-        if not path.is_file():
-            raise UncitableResult(f"{path.relative_to(REPO)} does not exist: run its "
-                                  f"benchmark (benchmarks/{self.module}.py) and commit it")
-        report = json.loads(path.read_text())
+        """The block for a doc in ``doc_dir`` (its source links are relative to it)."""
+        reports = {s: json.loads((RESULTS / s).read_text()) for s in self.sources
+                   if (RESULTS / s).is_file()}
+        if isinstance(self.source, str) and not reports:
+            return no_result(self.source, self.made_by or f"benchmarks/{self.module}.py")
+        lines = [source_line(RESULTS / s, r, doc_dir) for s, r in reports.items()]
         body: Callable[[dict], str] = getattr(_module(self.module), self.function)
-        return f"{body(report).rstrip()}\n\n{source_line(path, report, doc_dir)}\n"
+        if isinstance(self.source, str):
+            return f"{body(reports[self.source]).rstrip()}\n\n{lines[0]}\n"
+        return body(reports).rstrip() + "\n\n" + "".join(f"- {line}\n" for line in lines)
+
+
+def no_result(source: str, made_by: str) -> str:
+    """What a block shows while its results file is not committed."""
+    return (f"*No committed result yet: `benchmarks/results/{source}` is not in the tree "
+            f"(`{made_by}` writes it, with its provenance, from a clean commit). Nothing is "
+            f"cited here until it is.*\n")
 
 
 def _module(name: str):
@@ -83,16 +104,53 @@ def source_line(path: Path, report: dict, doc_dir: Path | None = None) -> str:
     where = m["gpu"] or f"{m['cores']} CPU cores ({m['cpu']})"
     link = os.path.relpath(path, doc_dir or REPO)
     return (f"<sub>Source: [{rel.name}]({link}), commit {prov['commit'][:10]}, "
-            f"`{prov['command']}`, {where}, {versions}, {prov['date'][:10]}.</sub>")
+            f"`{prov['command']}`, {where}, {load_note(m)}, {versions}, "
+            f"{prov['date'][:10]}.</sub>")
 
 
+def load_note(machine: dict) -> str:
+    """The machine's load when the result was saved: a timing made while other work shared
+    the cores is an upper bound, and the source line says so."""
+    loaded = _module("_results").under_load(machine)
+    if loaded is None:
+        return "load not recorded (made on shared cores: its timings are not a quiet machine's)"
+    load = machine["load_avg"]
+    note = f"load average {load[0]:g} / {load[1]:g} / {load[2]:g} (1 / 5 / 15 min) at its end"
+    return note + (f" on {machine['cores']} cores: **made under load, its timings are not a "
+                   f"quiet machine's**" if loaded else "")
+
+
+# the results files the summary tables read (benchmarks/summary.py names them)
+SUMMARY_SOURCES: tuple[str, ...] = _module("summary").SOURCES
 # name -> the block: every table the docs show from a benchmark's results
 BLOCKS: dict[str, Block] = {
-    "quality": Block("quality.json", "quality_report"),
-    "quality_account": Block("quality.json", "quality_report", "markdown_account"),
-    "quality_rank": Block("quality.json", "quality_report", "markdown_rank"),
-    "quality_controls": Block("quality.json", "quality_report", "markdown_controls"),
-    "quality_runs": Block("quality.json", "quality_report", "markdown_runs"),
+    "quality": Block("quality.json", "quality_report", made_by="benchmarks/quality.py"),
+    "quality_account": Block("quality.json", "quality_report", "markdown_account",
+                             "benchmarks/quality.py"),
+    "quality_rank": Block("quality.json", "quality_report", "markdown_rank",
+                          "benchmarks/quality.py"),
+    "quality_controls": Block("quality.json", "quality_report", "markdown_controls",
+                              "benchmarks/quality.py"),
+    "quality_runs": Block("quality.json", "quality_report", "markdown_runs",
+                          "benchmarks/quality.py"),
+    # docs/results.md's Summary and the README's Results: rows from several benchmarks
+    "summary": Block(SUMMARY_SOURCES, "summary", "docs_summary"),
+    "readme_results": Block(SUMMARY_SOURCES, "summary", "readme_results"),
+    "convert": Block("convert.json", "convert"),
+    "memory": Block("memory.json", "memory"),
+    "memory_plan_validation": Block("memory_plan.json", "memory_plan", "validation_summary"),
+    "memory_plan_27b": Block("memory_plan.json", "memory_plan", "projection_table"),
+    "step_time": Block("step_time.json", "step_time"),
+    "step_time_embedding_adam": Block("step_time_embedding_adam.json", "step_time"),
+    "sync": Block("sync.json", "sync"),
+    "weight_push": Block("weight_push.json", "weight_push"),
+    "learning": Block("learning.json", "learning"),
+    "faults": Block("faults.json", "faults"),
+    "async_rollouts": Block("async_rollouts.json", "async_rollouts"),
+    "throughput_model": Block("throughput_model.json", "throughput_model", "modes_table"),
+    "task_signal": Block("task_signal.json", "task_signal"),
+    "sketch_cosines": Block("figures/sketch_cosines.json", "figures", "sketch_table"),
+    "update_cosine": Block("figures/sketch_cosines.json", "figures", "update_cosine_table"),
 }
 
 

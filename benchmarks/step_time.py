@@ -109,7 +109,7 @@ def main(argv=None) -> None:
               "ranks": ranks, "modes": modes, "runs": runs, "step_time_ratio": ratios,
               "ratio_targets": {str(k): v for k, v in TARGETS.items()}, "target_met": met}
     if args.save:
-        save(args.save, report, table(report))
+        save(args.save, report, markdown(report))
     print(json.dumps(report))
 
 
@@ -117,11 +117,17 @@ PHASES = ("forward_backward", "sketch_reduce", "row_adam", "low_rank_apply", "pr
           "optimizer_other")
 
 
-def table(report: dict) -> str:
+def _range(run: dict) -> str:
+    """The timed steps' (after the warm-up) fastest - slowest: how noisy the median is."""
+    timed = run["step_times_s"][1:] or run["step_times_s"]
+    return f"{min(timed):.2f} - {max(timed):.2f}"
+
+
+def markdown(report: dict) -> str:
     """Markdown: each LoGRA variant against the dense Adam steps of its pair, with phases."""
     head = ("| LoGRA | dense Adam (s) | LoGRA (s) | ratio | target | "
-            + " | ".join(PHASES) + " |")
-    lines = [head, "|" + "---|" * (5 + len(PHASES))]
+            + " | ".join(PHASES) + " | steps' range, dense Adam / LoGRA (s) |")
+    lines = [head, "|" + "---|" * (6 + len(PHASES))]
     for name, ratio in report["step_time_ratio"].items():
         run, dense = report["runs"][name], report["runs"][f"dense_adam_vs_{name}"]
         rank = int(name.split("_")[1][1:])
@@ -129,7 +135,8 @@ def table(report: dict) -> str:
         met = "met" if report["target_met"][name] else "not met"
         phases = " | ".join(f"{run['phases_s'].get(k, 0):.2f}" for k in PHASES)
         lines.append(f"| {name} | {dense['step_time_s']:.2f} | {run['step_time_s']:.2f} | "
-                     f"{ratio:.2f} | {target} ({met}) | {phases} |")
+                     f"{ratio:.2f} | {target} ({met}) | {phases} | {_range(dense)} / "
+                     f"{_range(run)} |")
     dense_phases = ", ".join(
         f"{n.removeprefix('dense_adam_vs_')}: fwd+bwd {r['phases_s'].get('forward_backward', 0):.2f}"
         f" + step {r['phases_s'].get('optimizer_other', 0):.2f}"
@@ -140,8 +147,8 @@ def table(report: dict) -> str:
         f"{report['seq_length']} tokens, one process each, megatron's local layer spec for "
         f"both; LoGRA's targets {report['targets']}, the rest {report['untargeted']}; medians "
         f"of {report['steps'] - 1} steps after a warm-up, the two optimizers' steps "
-        f"alternating. Measured by `benchmarks/step_time.py` on "
-        f"{report['device'].upper()}.\n")
+        f"alternating (the steps' range shows how noisy each median is). Measured by "
+        f"`benchmarks/step_time.py` on {report['device'].upper()}.\n")
 
 
 if __name__ == "__main__":

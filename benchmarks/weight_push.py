@@ -156,7 +156,7 @@ def _summary(rows: list[dict]) -> dict:
             for transport in TRANSPORTS if any(r["transport"] == transport for r in rows)}
 
 
-def _table(report: dict) -> str:
+def markdown(report: dict) -> str:
     lines = ["| trainer | server | transport | time (s) | into workers (MiB) | "
              "from rank 0 (MiB) |", "|---|---|---|---|---|---|"]
     for run in report["runs"]:
@@ -193,8 +193,8 @@ def main(argv=None) -> None:
               "tp": args.tp, "pp": args.pp, "updates": args.updates, "logra_rank": args.rank,
               "runs": runs}
     if args.save:
-        save(args.save, report, _table(report))
-    print(_table(report))
+        save(args.save, report, markdown(report))
+    print(markdown(report))
     print(json.dumps(report))
 
 

@@ -49,9 +49,18 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _load_avg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not available on this platform
+        return None
+
+
 def machine() -> dict:
     """The machine's facts that change the figures: cores, CPU model, accelerator,
-    Python and the libraries' versions."""
+    Python and the libraries' versions, and its load: ``load_avg``, the 1, 5 and 15 minute
+    load averages (``os.getloadavg``) when the record is taken (a benchmark takes it as
+    it saves, at its end), so a timing made while other work shared the cores says so."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -67,7 +76,7 @@ def machine() -> dict:
         if torch.cuda.is_available():
             gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     return {"cores": os.cpu_count(), "cpu": cpu, "gpu": gpu, "os": platform.platform(),
-            "python": platform.python_version(),
+            "python": platform.python_version(), "load_avg": _load_avg(),
             "versions": {d: v for d in _VERSIONED if (v := _version(d)) is not None}}
 
 
