@@ -110,7 +110,7 @@ def _weight_push(r: dict) -> list[Row]:
              "pushes-into-vllms-server-benchmarksweight_pushpy")]
 
 
-METHODS = {"adam": "dense Adam", "logra": "LoGRA", "lora": "LoRA"}
+METHODS = {"adam": "dense Adam", "dense": "dense Adam", "logra": "LoGRA", "lora": "LoRA"}
 
 
 def _learning(r: dict) -> list[Row]:
@@ -175,9 +175,26 @@ def _sketches(r: dict) -> list[Row]:
              "what-logras-sketches-keep-and-how-its-update-differs-from-dense-adams-benchmarksfigurespy")]
 
 
+def _quality(r: dict) -> list[Row]:
+    q = r["quality.json"]
+    group = q["groups"].get("comparison")
+    anchor = "dense-adam-vs-logra-vs-lora-benchmarksqualitypy"
+    what = "RL of SmolLM2, dense Adam vs LoGRA r=64 vs LoRA r=16, one KL budget per update"
+    if group is None:
+        return [(what, "no finished seed of all three methods yet", anchor)]
+    seeds = group["seeds"]
+    gains = "; ".join(f"{METHODS.get(m, m)} {v['gain_pass@1']['mean']:+.3f}"
+                      for m, v in group["methods"].items())
+    called = ("one seed: nothing called" if len(seeds) == 1 else
+              "; ".join(f"{METHODS[p['a']]} - {METHODS[p['b']]} {p['mean']:+.3f} +- {p['se']:.3f} ({p['verdict']})"
+                        for p in group["pairs"]))
+    return [(what, f"held-out pass@1 gain after 24 updates, seeds {','.join(map(str, seeds))}: "
+             f"{gains} ({called})", anchor)]
+
+
 # in order: (the files a row reads, what it shows, its section in docs/results.md, the
-# function); a row whose file is not committed says so. The quality comparison's table is
-# benchmarks/quality_report.py's (issue 48's rerun), in its own section.
+# function); a row whose file is not committed says so. The quality comparison's tables
+# are benchmarks/quality_report.py's, in its own section; its row here is the headline.
 ROWS: list[tuple[tuple[str, ...], str, str, Callable[[dict], list[Row]]]] = [
     (("memory.json",), "model-state and peak memory per rank / dense Adam's", "memory",
      _memory),
@@ -191,6 +208,8 @@ ROWS: list[tuple[tuple[str, ...], str, str, Callable[[dict], list[Row]]]] = [
      "pushes-into-vllms-server-benchmarksweight_pushpy", _weight_push),
     (("task_signal.json",), "SmolLM2 out of the box, reasoning-gym tasks",
      "which-task-gives-smollm2-a-learning-signal-benchmarkstask_signalpy", _task_signal),
+    (("quality.json",), "RL of SmolLM2: dense Adam vs LoGRA vs LoRA",
+     "dense-adam-vs-logra-vs-lora-benchmarksqualitypy", _quality),
     (("learning.json",), "RL learning, tiny model", "rl-learning-tiny-model", _learning),
     (("async_rollouts.json", "throughput_model.json"),
      "generation one step off (`--async-rollouts`); updates/h on 8 GPUs (model)",
