@@ -71,7 +71,9 @@ def logits_with_tangent(model_chunks: list, batch: dict[str, torch.Tensor],
                                   "rank (no virtual pipeline)")
     module = unwrap(model_chunks[0])
     tangents = tangents or UpdateTangents()
-    dtype = next(module.parameters()).dtype
+    # what the previous stage sends: megatron's pipeline dtype (its activations'), not a
+    # parameter's (the first of a later stage is a norm weight, kept in fp32)
+    dtype = module.config.pipeline_dtype
     was_training = module.training
     module.eval()
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from megatron_logra.logra.projection import MASK32, as_int32, hash32
+from megatron_logra.runtime.host_read import host_value
 
 
 def rounding_noise(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -77,7 +78,7 @@ def stochastic_round_bits_(values: torch.Tensor, seed: int, rows: torch.Tensor,
     keep_high = -65536  # 0xFFFF0000 as int32
     bits = values.view(torch.int32)
     low, high = torch.aminmax(values)  # one read; NaN propagates into both
-    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+    if host_value(torch.isfinite(low) & torch.isfinite(high), assume=True):
         bits.add_(noise).bitwise_and_(keep_high)
     else:  # non-finite: truncate only (adding noise could wrap a NaN's bits into a number)
         bits.copy_(torch.where(torch.isfinite(values), (bits + noise) & keep_high,

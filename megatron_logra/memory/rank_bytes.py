@@ -33,7 +33,7 @@ def model_state(blocks: list[Local], dp: int, *, method: str, rank: int = 256,
                 master: str = "fp32", targets: tuple[str, ...] = ROLES,
                 untargeted: str = "frozen", lora_rank: int = 16) -> dict[str, float]:
     """Bytes by category of one rank's model state (what
-    ``benchmarks/_train_probe.model_state_bytes`` counts on a live model)."""
+    ``held_state.model_state_bytes`` counts on a live rank)."""
     dense_state = lambda n: (4 * n, 12 * n / dp)  # noqa: E731  fp32 grads; main, m, v
     out = {"params": 2 * sum(b.numel for b in blocks), "grads": 0.0, "dense_optimizer": 0.0}
     if method == "dense_adam":

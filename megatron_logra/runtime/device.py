@@ -109,6 +109,13 @@ def init_runtime(timeout_minutes: float = 10.0) -> Runtime:
     return _RUNTIME
 
 
+def adopt_runtime(runtime: Runtime | None) -> None:
+    """Make ``runtime`` this process's, for a caller that set torch.distributed up itself
+    (the dry run's fake world: ``dry_run.world``); None forgets it."""
+    global _RUNTIME
+    _RUNTIME = runtime
+
+
 def shutdown_runtime() -> None:
     """Free megatron-core's groups and the default process group (run at exit).
 

@@ -50,7 +50,8 @@ EXPECTED_FLAGS = {
     "--grpo-std-norm", "--no-grpo-std-norm", "--dynamic-sampling",
     "--dynamic-sampling-max-rounds", "--save-keep", "--auto-resume",
     "--max-skipped-updates", "--rollout-replicas", "--async-rollouts", "--max-staleness",
-    "--max-staleness-kl", "--stale-samples",
+    "--max-staleness-kl", "--stale-samples", "--dry-run", "--dry-run-world-size",
+    "--dry-run-ranks", "--dry-run-gpus-per-node", "--dry-run-gpu-gib",
 }
 
 

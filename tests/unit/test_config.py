@@ -135,7 +135,8 @@ def test_a_field_is_named_as_its_flag():
     --weight-sync-*, optimizer.logra: --logra-*, optimizer.lora: --lora-*). The flags
     named otherwise, on purpose: --optimizer (OptimizerConfig.name), --task (the parsed
     DataConfig.tasks), --weight-sync (WeightSyncConfig.transport, the transport it picks),
-    --sync-bucket-mb (WeightSyncConfig.bucket_mb)."""
+    --sync-bucket-mb (WeightSyncConfig.bucket_mb), --dry-run (DryRunConfig.enabled, the
+    switch its --dry-run-* flags belong to)."""
     import dataclasses
 
     from megatron_logra.cli import FLAG_GROUPS
@@ -149,7 +150,8 @@ def test_a_field_is_named_as_its_flag():
                 renamed[flag] = f"{cls.__name__}.{f.name}"
     assert renamed == {"--optimizer": "OptimizerConfig.name", "--task": "DataConfig.tasks",
                        "--weight-sync": "WeightSyncConfig.transport",
-                       "--sync-bucket-mb": "WeightSyncConfig.bucket_mb"}
+                       "--sync-bucket-mb": "WeightSyncConfig.bucket_mb",
+                       "--dry-run": "DryRunConfig.enabled"}
     assert {"kl", "weight_sync"} <= {f.name for f in dataclasses.fields(RLConfig)}
     assert (KLControlConfig.FLAG_PREFIX, WeightSyncConfig.FLAG_PREFIX, LograConfig.FLAG_PREFIX,
             LoraConfig.FLAG_PREFIX) == ("kl-", "weight-sync-", "logra-", "lora-")

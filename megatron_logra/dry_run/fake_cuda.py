@@ -1,0 +1,244 @@
+"""Fake CUDA on a CPU-only torch: every shim the dry run needs, in one place.
+
+The dry run traces the real code on ``FakeTensorMode`` tensors (shapes, dtypes and
+devices, no storage). A fake ``cuda`` tensor already exists on a CPU-only torch, and
+mixing it with a CPU tensor raises as CUDA does; what has no fake counterpart is
+provided here, and only inside ``fake_cuda()`` (undone on exit; a process whose CPU shims,
+``runtime.megatron_shims``, are applied is refused: they turn CUDA into CPU). Checked
+against torch 2.13.0 and megatron-core 0.16.1; another version is refused
+(``runtime.versions``).
+
+torch (C++ parts a CPU-only build lacks):
+
+* A CUDA device guard. Python bindings that index or move a tensor
+  (``Tensor.__getitem__``/``__setitem__``, ``Tensor.to("cuda")``) enter a device guard
+  for its device, and a CPU-only build registers none for CUDA ("PyTorch is not linked
+  with support for cuda devices"). One no-op guard reporting ``cuda:0`` is registered
+  in c10's guard registry (``c10::impl::registerDeviceGuard``, through ctypes: torch's
+  Python API registers a Python guard only for PrivateUse1, so it is registered there
+  and its pointer moved to the CUDA slot).
+* What C++ sees of a fake CUDA tensor: ``meta``. The autograd engine keeps CUDA tensors
+  on the accelerator's streams, and a CPU-only build has no CUDA accelerator ("Cannot
+  access accelerator device when none is available" in ``InputBuffer::add``). So C++
+  asks a fake CUDA tensor's device (``prim.device``) and gets ``meta``, as FakeTensorMode
+  itself answers inside its kernels, while Python code sees ``cuda:0``
+  (``FakeTensor.device``, ``is_cuda``, ``is_meta``, ``type()``, ``get_device()``); a
+  tensor C++ creates on ``meta`` becomes a fake ``cuda:0`` one, and ``Tensor.to`` /
+  ``Tensor.cuda`` to the device a tensor is on return it, as on CUDA (C++ would compare
+  against ``meta`` and copy).
+
+torch.cuda (functions that would initialise CUDA):
+
+* ``current_device()`` -> ``"cuda:0"`` (megatron-core allocates on it: a string, as the
+  CPU shims answer ``"cpu"``); ``set_device``, ``synchronize`` -> no-ops;
+  ``get_device_capability()`` -> (9, 0) (torch.distributed asks it of CUDA tensors).
+
+megatron-core (``tensor_parallel/random.py``): the CUDA RNG tracker reads and sets
+CUDA generator states. Dropout draws nothing from a fake tensor, so the tracker keeps
+one real CPU state per name (``_get_cuda_rng_state``, ``CudaRNGStatesTracker.add``),
+setting a state is a no-op, and ``fork()`` only checks the name: megatron's own
+``fork`` compares CPU RNG states as tensors on exit, a value a fake tensor has not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from collections.abc import Iterator
+
+import torch
+from torch._subclasses import fake_tensor
+
+from megatron_logra.runtime import versions
+
+META, CUDA0 = torch.device("meta"), torch.device("cuda", 0)
+_FAKE = fake_tensor.FakeTensor
+_LIBC10 = "libc10.so"
+_REGISTRY = "_ZN3c104impl26device_guard_impl_registryE"  # c10::impl::device_guard_impl_registry
+_REGISTER = ("_ZN3c104impl19registerDeviceGuardENS_10DeviceTypeEPKNS0_24DeviceGuardImplInterface"
+             "E")  # c10::impl::registerDeviceGuard(DeviceType, const DeviceGuardImplInterface*)
+_CUDA = int(torch._C._autograd.DeviceType.CUDA)
+_PRIVATE_USE1 = int(torch._C._autograd.DeviceType.PrivateUse1)
+
+
+class _CudaGuard(torch._C._acc.DeviceGuard):
+    """torch's Python device guard (no-op device and stream calls on device index 0),
+    answering for CUDA."""
+
+    def type_(self):
+        return torch._C._autograd.DeviceType.CUDA
+
+
+class _GuardRegistry:
+    """c10's device guard registry, through ctypes."""
+
+    def __init__(self):
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", _LIBC10))
+        self.slots = (ctypes.c_void_p * 64).in_dll(lib, _REGISTRY)
+        self.register = getattr(lib, _REGISTER)
+        self.register.argtypes = [ctypes.c_int8, ctypes.c_void_p]
+        self.guard: _CudaGuard | None = None
+
+    def install(self) -> None:
+        if self.slots[_CUDA] is not None:
+            raise RuntimeError("a CUDA device guard is registered already: the dry run fakes "
+                               "CUDA on a CPU-only torch; on a GPU machine run the job itself")
+        if self.slots[_PRIVATE_USE1] is not None:
+            raise RuntimeError("a PrivateUse1 device guard is registered: the dry run needs "
+                               "that slot free for a moment to build its CUDA guard")
+        self.guard = _CudaGuard()
+        if not torch._C._acc.register_python_privateuseone_device_guard(self.guard):
+            raise RuntimeError("torch refused the dry run's device guard")
+        self.register(_CUDA, self.slots[_PRIVATE_USE1])
+        self.register(_PRIVATE_USE1, None)
+
+    def uninstall(self) -> None:
+        self.register(_CUDA, None)  # the guard object stays alive: C++ may hold it still
+
+
+def _on_cuda(t) -> bool:
+    return t.fake_device.type == "cuda"
+
+
+def _fake_tensor_as_cuda() -> dict:
+    """The replacements of FakeTensor's device answers (see the module doc): {name: new}."""
+    dispatch = _FAKE.__dict__["__torch_dispatch__"].__func__
+    device_handler = fake_tensor._DISPATCH_META_HANDLERS[torch.ops.prim.device.default]
+    normalize = _FAKE.__dict__["_normalize_fake_device"].__func__
+
+    def torch_dispatch(cls, func, types, args=(), kwargs=fake_tensor.immutable_dict()):
+        if func is torch.ops.prim.device.default and _on_cuda(args[0]):
+            return META
+        return dispatch(cls, func, types, args, kwargs)
+
+    def prim_device(args):
+        return META if _on_cuda(args[0]) else device_handler(args)
+
+    def normalize_device(device: torch.device) -> torch.device:
+        return normalize(CUDA0 if device.type == "meta" else device)
+
+    def to(self, *args, **kwargs):
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if (not kwargs.get("copy", False) and memory_format in (None, torch.preserve_format)
+                and dtype in (None, self.dtype)
+                and (device is None or normalize_device(torch.device(device)) == self.device)):
+            return self
+        return torch.Tensor.to(self, *args, **kwargs)
+
+    def cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        index = 0 if device is None else torch.device("cuda", device).index \
+            if isinstance(device, int) else torch.device(device).index or 0
+        return self.to(torch.device("cuda", index), non_blocking=non_blocking,
+                       memory_format=memory_format)
+
+    def tensor_type(self, *args, **kwargs):
+        out = torch.Tensor.type(self, *args, **kwargs)
+        if args or kwargs or not _on_cuda(self):
+            return out
+        return out.replace("torch.meta.", "torch.cuda.", 1)  # "torch.meta.BFloat16Tensor"
+
+    return {"__torch_dispatch__": classmethod(torch_dispatch),
+            "_normalize_fake_device": staticmethod(normalize_device),
+            "to": to, "cuda": cuda, "type": tensor_type,
+            "is_cuda": property(_on_cuda), "is_meta": property(lambda self: False),
+            "get_device": lambda self: self.fake_device.index if _on_cuda(self) else -1,
+            "prim_device": prim_device}
+
+
+def _rng_tracker() -> dict:
+    """megatron-core's CUDA RNG tracker, for fake tensors: {name: new}."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        with fake_tensor.unset_fake_temporarily():
+            return torch.get_rng_state()
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        pass
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.states_[name] = get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name=mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name not in self.states_:
+            raise Exception(f"cuda rng state {name} is not added")
+        yield
+
+    return {"_get_cuda_rng_state": get_state, "_set_cuda_rng_state": set_state,
+            "add": add, "fork": fork}
+
+
+@contextlib.contextmanager
+def _replaced(owner, names: dict) -> Iterator[None]:
+    """``owner``'s attributes replaced by ``names`` while inside (restored after)."""
+    missing = object()
+    saved = {name: owner.__dict__.get(name, missing) if isinstance(owner, type)
+             else getattr(owner, name, missing) for name in names}
+    for name, value in names.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+def cpu_shims_applied() -> bool:
+    """Whether ``runtime.megatron_shims`` turned CUDA into CPU in this process."""
+    return bool(getattr(torch.empty, "__megatron_logra_shim__", False))
+
+
+@contextlib.contextmanager
+def fake_cuda() -> Iterator[None]:
+    """Every shim above, applied while inside."""
+    versions.require("torch", "megatron_logra.dry_run.fake_cuda")
+    versions.require("megatron-core", "megatron_logra.dry_run.fake_cuda")
+    if cpu_shims_applied():
+        raise RuntimeError("the CPU shims (runtime.megatron_shims) are applied in this "
+                           "process: they map CUDA to CPU; run the dry run in a process of "
+                           "its own (launch/pretrain_rl.py --dry-run)")
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    as_cuda = _fake_tensor_as_cuda()
+    prim_device = as_cuda.pop("prim_device")
+    rng = _rng_tracker()
+    registry = _GuardRegistry()
+    registry.install()
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_replaced(_FAKE, as_cuda))
+            stack.enter_context(_replaced_item(fake_tensor._DISPATCH_META_HANDLERS,
+                                               torch.ops.prim.device.default, prim_device))
+            stack.enter_context(_replaced(torch.cuda, {
+                "current_device": lambda: "cuda:0",
+                "set_device": lambda *args, **kwargs: None,
+                "synchronize": lambda *args, **kwargs: None,
+                "get_device_capability": lambda *args, **kwargs: (9, 0)}))
+            stack.enter_context(_replaced(mcore_random, {
+                "_get_cuda_rng_state": rng.pop("_get_cuda_rng_state"),
+                "_set_cuda_rng_state": rng.pop("_set_cuda_rng_state")}))
+            stack.enter_context(_replaced(mcore_random.CudaRNGStatesTracker, rng))
+            yield
+    finally:
+        registry.uninstall()
+
+
+@contextlib.contextmanager
+def _replaced_item(table: dict, key, value) -> Iterator[None]:
+    saved = table[key]
+    table[key] = value
+    try:
+        yield
+    finally:
+        table[key] = saved

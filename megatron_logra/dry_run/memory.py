@@ -1,0 +1,170 @@
+"""Per-rank memory of the traced update, by category: torch's ``MemTracker`` with the
+categories this package reports.
+
+``MemTracker`` (``torch.distributed._tools.mem_tracker``) attributes every storage an op
+creates to parameters, gradients, optimizer state (inside a torch optimizer's step),
+activations (forward) or temporaries (backward), keeps the current bytes per device and
+category, and a snapshot at the peak. ``UpdateMemory`` adds the categories torch does
+not know: LoGRA's state (sketches, row moments, projections, row indices) and the weight
+push's message buffers; ``register`` files what the build made before tracking starts
+(``held(objs)``: model params, DDP's grad buffers, megatron's mains and moments, LoGRA's
+state; anything else still alive on the device as other), and ``labelled(category)``
+files what is created while inside under that category (the push's messages). Its
+module-wise snapshots are off (``UpdateMemory._pre_fw_hook``). CUDA storages count in 512-byte blocks, as the CUDA
+caching allocator rounds them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+
+import torch
+from torch._guards import active_fake_mode
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _RefType
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from megatron_logra.memory.held_state import optimizer_tensors
+
+
+class Category(_RefType):
+    """MemTracker's categories (same names and values: its code files under them) and ours."""
+
+    PARAM = "Parameter"
+    BUFFER = "Buffer"
+    GRAD = "Gradient"
+    ACT = "Activation"
+    TEMP = "Temp"
+    OPT = "Optstate"
+    OTH = "Other"
+    LOGRA = "LoGRA state"
+    PUSH = "Weight push"
+
+
+_DEVICE_QUERY = torch.ops.prim.device.default
+REPORTED = {  # report key -> the categories it sums
+    "params": (Category.PARAM, Category.BUFFER), "grads": (Category.GRAD,),
+    "optimizer": (Category.OPT,), "logra": (Category.LOGRA,), "activations": (Category.ACT,),
+    "temporaries": (Category.TEMP,), "weight_push": (Category.PUSH,), "other": (Category.OTH,)}
+
+
+def held(objs) -> dict[Category, list[torch.Tensor]]:
+    """The tensors the built objects hold (``training.build.TrainingObjects``), by category:
+    model params (and DDP's param buffers), DDP's grad buffers, megatron's fp32 mains and
+    Adam moments plus LoGRA's fp32 masters (optimizer state), LoGRA's sketches, row
+    moments, projections and row indices."""
+    model = objs.model[0]
+    out = {Category.PARAM: list(model.parameters()) + [b.param_data for b in model.buffers
+                                                       if b.param_data is not None],
+           Category.GRAD: [b.grad_data for b in model.buffers],
+           Category.OPT: list(optimizer_tensors(objs.dense_optimizer)),
+           Category.LOGRA: []}
+    logra = objs.logra
+    if logra is not None:
+        out[Category.OPT] += [m for m in logra.masters if m is not None]
+        out[Category.LOGRA] += list(logra.sketches.buffers.values()) + logra.row_v
+        out[Category.LOGRA] += [t for slot, owned in zip(logra.sketches.slots,
+                                                         logra.owned_modules)
+                                for t in (slot.projection, slot.global_rows, slot.module_rows,
+                                          owned) if t is not None]
+    return out
+
+
+class UpdateMemory(MemTracker):
+    """``MemTracker`` with ``Category``; see the module doc."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ref_class = Category
+        self._label: Category | None = None
+
+    def register(self, objs) -> None:
+        """File what exists before tracking starts: ``held(objs)`` (each storage under the
+        first category that holds it: params first, so fp32 params that are their own
+        optimizer's mains stay params), then every other live tensor on a device as other
+        (CPU tensors are the host's, not the GPU's)."""
+        for category, tensors in held(objs).items():
+            for t in tensors:
+                self._file(t, category)
+        for t in _live_tensors():
+            if t.device.type != "cpu":
+                self._file(t, Category.OTH)
+
+    def _file(self, t: torch.Tensor | None, category: Category) -> None:
+        """``t``'s storage under ``category`` unless it is filed already."""
+        if t is not None and t.numel() and t.untyped_storage() not in self._WINFO:
+            self._update_and_maybe_create_winfos(t, category)
+
+    @contextlib.contextmanager
+    def labelled(self, category: Category) -> Iterator[None]:
+        """What ops create while inside is filed under ``category`` (a torch optimizer's
+        state stays optimizer state)."""
+        previous, self._label = self._label, category
+        try:
+            yield
+        finally:
+            self._label = previous
+
+    # MemTracker's module tracking is left out: its module-wise snapshots deep-copy the
+    # whole snapshot at every module call, refuse a root module called twice (a second
+    # microbatch) and hook every param, frozen ones included; what it decides with it,
+    # forward or backward, comes from autograd itself (``_reftype``). So entering sets up
+    # what MemTracker's own __enter__ does less the ModTracker.
+    def __enter__(self) -> UpdateMemory:
+        if self._depth == 0:
+            self._fake_mode_on_entry = active_fake_mode()
+            self._register_global_optimizer_hook()
+            self._track_resize()
+            self.reset_peak()
+        TorchDispatchMode.__enter__(self)
+        self._depth += 1
+        return self
+
+    def __exit__(self, *args) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._deregister_param_and_optimizer_hooks()
+            self._restore_resize()
+        TorchDispatchMode.__exit__(self, *args)
+
+    def _reftype(self) -> Category:
+        """Optimizer state inside a torch optimizer's step; in autograd's backward,
+        temporaries, except what a forward recomputed there with grad enabled creates
+        (activation recompute: activations); else activations; or the label."""
+        if self._in_opt:
+            return Category.OPT
+        if torch._C._current_graph_task_id() != -1 and not torch.is_grad_enabled():
+            kind = Category.TEMP
+        else:
+            kind = Category.ACT
+        return self._label or kind
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        res = func(*args, **(kwargs or {}))
+        if func is not _DEVICE_QUERY:  # C++ asking a fake tensor's device: half the ops
+            reftype = self._reftype()
+            for t in tree_leaves(res):
+                if isinstance(t, torch.Tensor):
+                    self._track(reftype, t)
+            self._update_peak_stats(None)
+        return res
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the current bytes."""
+        self._peak_mem_snap = self.get_tracker_snapshot("current")
+        self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._peak_mem_snap.items()}
+
+    def snapshot(self, kind: str, device: str = "cuda") -> dict[str, int]:
+        """{report key: bytes, "total"} of the ``kind`` ("current" | "peak") snapshot on the
+        device type ``device``."""
+        snaps = [s for dev, s in self.get_tracker_snapshot(kind).items() if dev.type == device]
+        snap = snaps[0] if snaps else {}
+        out = {key: int(sum(snap.get(c, 0) for c in cats)) for key, cats in REPORTED.items()}
+        out["total"] = int(snap.get(_TOTAL_KEY, 0))
+        return out
+
+
+def _live_tensors() -> list[torch.Tensor]:
+    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
