@@ -33,7 +33,8 @@ class PolicyUpdate:
         self.training, self.rl = cfg.training, cfg.rl
         kl = cfg.rl.kl
         self.kl_step = None if kl.control == "none" else PredictedKLStep(
-            kl, temperature=cfg.rl.temperature, vocab_size=objs.arch.vocab_size)
+            kl, temperature=cfg.rl.temperature, vocab_size=objs.arch.vocab_size,
+            max_response_tokens=cfg.rl.max_new_tokens)
 
     def batch_length(self, samples: list[RolloutSample]) -> int:
         """Padded length of this update's sequences: the longest rollout of the global batch
