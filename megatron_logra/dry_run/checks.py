@@ -1,8 +1,9 @@
 """What the dry run checks while it traces: every collective's tensors against the backend
 its group uses in a real run, and every host read.
 
-``TraceChecks`` is a dispatch mode under which the traced code runs (above
-FakeTensorMode). It sees each ``c10d`` op (collectives and point-to-point) with its
+``TraceChecks`` is the dispatch mode under which the traced code runs (above
+FakeTensorMode; it also hands every op's outputs to the memory tracker). It sees each
+``c10d`` op (collectives and point-to-point) with its
 tensors and group:
 
 - the tensors of one call must be on one device type (NCCL and gloo both refuse a mix);
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import FakeWork
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -44,10 +46,14 @@ from megatron_logra.dry_run.world import real_backends
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # megatron_logra/
 _HERE = os.path.dirname(os.path.abspath(__file__))  # megatron_logra/dry_run/
 _HOST_READ = os.path.join(_PACKAGE, "runtime", "host_read.py")
-_DEVICE_QUERY = torch.ops.prim.device.default
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+_COALESCED = {getattr(torch.ops.c10d, name).default for name in (
+    "allreduce_coalesced_", "allgather_coalesced_", "allgather_into_tensor_coalesced_",
+    "reduce_scatter_tensor_coalesced_")}  # in place on their outputs; return a Work
 _INPUTS = {"allgather_": 1, "_allgather_base_": 1, "reduce_scatter_": 1,
            "_reduce_scatter_base_": 1, "gather_": 1, "scatter_": 1, "alltoall_": 1,
-           "alltoall_base_": 1}  # c10d op -> the position of its input tensor(s)
+           "alltoall_base_": 1, "allgather_coalesced_": 1,
+           "allgather_into_tensor_coalesced_": 1, "reduce_scatter_tensor_coalesced_": 1}  # c10d op -> the position of its input tensor(s)
 
 
 class CollectiveMismatch(RuntimeError):
@@ -58,20 +64,25 @@ class UnansweredHostRead(RuntimeError):
     """The package read a device value without ``runtime.host_read.host_value``."""
 
 
-def call_site(skip_torch: bool = True) -> str:
-    """"path:line function" of the innermost frame outside torch, this package's dry run
-    and ``runtime.host_read`` (paths relative to the package's parent or site-packages)."""
+def is_machinery(path: str) -> bool:
+    """Whether a frame's file is torch's or the dry run's own (never a call site)."""
+    path = os.path.abspath(path)
+    return (path.startswith(_HERE) or path == _HOST_READ
+            or f"{os.sep}torch{os.sep}" in path)
+
+
+def call_site() -> str:
+    """"path:line function" of the innermost frame of the current stack outside torch, the
+    dry run and ``runtime.host_read`` (paths relative to the package's parent or to
+    site-packages)."""
     for frame in reversed(traceback.extract_stack()[:-1]):
-        path = os.path.abspath(frame.filename)
-        if path.startswith(_HERE) or path == _HOST_READ:
-            continue
-        if skip_torch and f"{os.sep}torch{os.sep}" in path:
-            continue
-        return f"{_short(path)}:{frame.lineno} {frame.name}"
+        if not is_machinery(frame.filename):
+            return f"{short_path(frame.filename)}:{frame.lineno} {frame.name}"
     return "?"
 
 
-def _short(path: str) -> str:
+def short_path(path: str) -> str:
+    path = os.path.abspath(path)
     for root in ("site-packages" + os.sep, os.path.dirname(_PACKAGE)):
         if root in path:
             return path.split(root, 1)[1].lstrip(os.sep)
@@ -98,8 +109,10 @@ class CallCount:
 class TraceChecks(TorchDispatchMode):
     """See the module doc. ``phase`` names what runs now (the counts are kept per phase)."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory=None) -> None:
+        """``memory``: a ``memory.UpdateMemory`` given every op's outputs while it tracks."""
         super().__init__()
+        self.memory = memory
         self.phase = "build"
         self.collectives: dict[tuple[str, str], CallCount] = defaultdict(CallCount)
         self.host_reads: dict[str, dict] = {}  # site -> {"reads", "assumed", "via"}
@@ -176,10 +189,13 @@ class TraceChecks(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _DEVICE_QUERY:  # C++ asking a fake tensor's device: half the ops
-            return func(*args, **kwargs)
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is _LOCAL_SCALAR:
             return self._unanswered(args[0])
         if func.namespace == "c10d":
             self._check(func, args, kwargs)
-        return func(*args, **kwargs)
+            if func in _COALESCED:  # no fake kernel in torch: what the fake backend does
+                return FakeWork().boxed()
+        out = func(*args, **kwargs)
+        if self.memory is not None and self.memory.tracking:
+            self.memory.track_outputs(out)
+        return out

@@ -33,11 +33,18 @@ torch.cuda (functions that would initialise CUDA):
   CPU shims answer ``"cpu"``); ``set_device``, ``synchronize`` -> no-ops;
   ``get_device_capability()`` -> (9, 0) (torch.distributed asks it of CUDA tensors).
 
-megatron-core (``tensor_parallel/random.py``): the CUDA RNG tracker reads and sets
-CUDA generator states. Dropout draws nothing from a fake tensor, so the tracker keeps
-one real CPU state per name (``_get_cuda_rng_state``, ``CudaRNGStatesTracker.add``),
-setting a state is a no-op, and ``fork()`` only checks the name: megatron's own
-``fork`` compares CPU RNG states as tensors on exit, a value a fake tensor has not.
+megatron-core:
+
+* ``tensor_parallel/random.py``: the CUDA RNG tracker reads and sets CUDA generator
+  states. Dropout draws nothing from a fake tensor, so the tracker keeps one real CPU
+  state per name (``_get_cuda_rng_state``, ``CudaRNGStatesTracker.add``), setting a state
+  is a no-op, and ``fork()`` only checks the name: megatron's own ``fork`` compares CPU
+  RNG states as tensors on exit, a value a fake tensor has not.
+* ``optimizer/clip_grads.py``'s ``l2_norm_impl`` (the grad norm): without Transformer
+  Engine or apex, megatron-core falls back to ``utils.local_multi_tensor_l2_norm``, which
+  builds a CPU tensor from every per-tensor norm (a host read each); a GPU job has TE's
+  fused kernel. The same norm is taken on the device instead: a 1-element fp32 tensor,
+  as both return.
 """
 
 from __future__ import annotations
@@ -101,19 +108,23 @@ def _on_cuda(t) -> bool:
     return t.fake_device.type == "cuda"
 
 
+def _make_fake_cuda_meta_to_cpp(make_subclass):
+    """``Tensor._make_subclass`` making a fake CUDA tensor whose device C++ reads from its
+    storage (``meta``) instead of asking Python (FakeTensorMode's ``dispatch_device``):
+    what C++ sees is meta, and it need not call back into Python for it (half the ops of
+    a traced update were that question)."""
+    def wrapper(cls, data, *args, **kwargs):
+        device = kwargs.get("device_for_backend_keys")
+        if (kwargs.get("dispatch_device") and issubclass(cls, _FAKE) and device is not None
+                and torch.device(device).type == "cuda"):
+            kwargs["dispatch_device"] = False
+        return make_subclass(cls, data, *args, **kwargs)
+    return staticmethod(wrapper)
+
+
 def _fake_tensor_as_cuda() -> dict:
     """The replacements of FakeTensor's device answers (see the module doc): {name: new}."""
-    dispatch = _FAKE.__dict__["__torch_dispatch__"].__func__
-    device_handler = fake_tensor._DISPATCH_META_HANDLERS[torch.ops.prim.device.default]
     normalize = _FAKE.__dict__["_normalize_fake_device"].__func__
-
-    def torch_dispatch(cls, func, types, args=(), kwargs=fake_tensor.immutable_dict()):
-        if func is torch.ops.prim.device.default and _on_cuda(args[0]):
-            return META
-        return dispatch(cls, func, types, args, kwargs)
-
-    def prim_device(args):
-        return META if _on_cuda(args[0]) else device_handler(args)
 
     def normalize_device(device: torch.device) -> torch.device:
         return normalize(CUDA0 if device.type == "meta" else device)
@@ -138,12 +149,10 @@ def _fake_tensor_as_cuda() -> dict:
             return out
         return out.replace("torch.meta.", "torch.cuda.", 1)  # "torch.meta.BFloat16Tensor"
 
-    return {"__torch_dispatch__": classmethod(torch_dispatch),
-            "_normalize_fake_device": staticmethod(normalize_device),
+    return {"_normalize_fake_device": staticmethod(normalize_device),
             "to": to, "cuda": cuda, "type": tensor_type,
             "is_cuda": property(_on_cuda), "is_meta": property(lambda self: False),
-            "get_device": lambda self: self.fake_device.index if _on_cuda(self) else -1,
-            "prim_device": prim_device}
+            "get_device": lambda self: self.fake_device.index if _on_cuda(self) else -1}
 
 
 def _rng_tracker() -> dict:
@@ -174,6 +183,13 @@ def _rng_tracker() -> dict:
 
     return {"_get_cuda_rng_state": get_state, "_set_cuda_rng_state": set_state,
             "add": add, "fork": fork}
+
+
+def _l2_norm_on_device(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """``utils.local_multi_tensor_l2_norm``'s result ([total norm] fp32, None) without
+    reading any norm on the host."""
+    norms = torch.stack([torch.norm(t) for tensors in tensor_lists for t in tensors])
+    return torch.norm(norms).float().reshape(1), None
 
 
 @contextlib.contextmanager
@@ -208,18 +224,18 @@ def fake_cuda() -> Iterator[None]:
         raise RuntimeError("the CPU shims (runtime.megatron_shims) are applied in this "
                            "process: they map CUDA to CPU; run the dry run in a process of "
                            "its own (launch/pretrain_rl.py --dry-run)")
+    from megatron.core.optimizer import clip_grads
     from megatron.core.tensor_parallel import random as mcore_random
 
     as_cuda = _fake_tensor_as_cuda()
-    prim_device = as_cuda.pop("prim_device")
     rng = _rng_tracker()
     registry = _GuardRegistry()
     registry.install()
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_replaced(_FAKE, as_cuda))
-            stack.enter_context(_replaced_item(fake_tensor._DISPATCH_META_HANDLERS,
-                                               torch.ops.prim.device.default, prim_device))
+            stack.enter_context(_replaced(torch.Tensor, {"_make_subclass":
+                                _make_fake_cuda_meta_to_cpp(torch.Tensor._make_subclass)}))
             stack.enter_context(_replaced(torch.cuda, {
                 "current_device": lambda: "cuda:0",
                 "set_device": lambda *args, **kwargs: None,
@@ -229,16 +245,8 @@ def fake_cuda() -> Iterator[None]:
                 "_get_cuda_rng_state": rng.pop("_get_cuda_rng_state"),
                 "_set_cuda_rng_state": rng.pop("_set_cuda_rng_state")}))
             stack.enter_context(_replaced(mcore_random.CudaRNGStatesTracker, rng))
+            stack.enter_context(_replaced(clip_grads, {"l2_norm_impl": _l2_norm_on_device}))
             yield
     finally:
         registry.uninstall()
 
-
-@contextlib.contextmanager
-def _replaced_item(table: dict, key, value) -> Iterator[None]:
-    saved = table[key]
-    table[key] = value
-    try:
-        yield
-    finally:
-        table[key] = saved

@@ -21,9 +21,7 @@ import gc
 from collections.abc import Iterator
 
 import torch
-from torch._guards import active_fake_mode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _RefType
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from megatron_logra.memory.held_state import optimizer_tensors
@@ -43,7 +41,6 @@ class Category(_RefType):
     PUSH = "Weight push"
 
 
-_DEVICE_QUERY = torch.ops.prim.device.default
 REPORTED = {  # report key -> the categories it sums
     "params": (Category.PARAM, Category.BUFFER), "grads": (Category.GRAD,),
     "optimizer": (Category.OPT,), "logra": (Category.LOGRA,), "activations": (Category.ACT,),
@@ -79,6 +76,7 @@ class UpdateMemory(MemTracker):
         super().__init__()
         self._ref_class = Category
         self._label: Category | None = None
+        self._peak_mem, self._peak_mem_snap = {}, {}
 
     def register(self, objs) -> None:
         """File what exists before tracking starts: ``held(objs)`` (each storage under the
@@ -107,18 +105,17 @@ class UpdateMemory(MemTracker):
         finally:
             self._label = previous
 
-    # MemTracker's module tracking is left out: its module-wise snapshots deep-copy the
-    # whole snapshot at every module call, refuse a root module called twice (a second
-    # microbatch) and hook every param, frozen ones included; what it decides with it,
-    # forward or backward, comes from autograd itself (``_reftype``). So entering sets up
-    # what MemTracker's own __enter__ does less the ModTracker.
+    # Driven, not a dispatch mode of its own: the dry run's one mode
+    # (``checks.TraceChecks``) hands it every op's outputs (``track_outputs``), one Python
+    # layer less per op. MemTracker's module tracking is left out: its module-wise
+    # snapshots deep-copy the whole snapshot at every module call, refuse a root module
+    # called twice (a second microbatch) and hook every param, frozen ones included; what
+    # it decides with it, forward or backward, comes from autograd itself (``_reftype``).
     def __enter__(self) -> UpdateMemory:
         if self._depth == 0:
-            self._fake_mode_on_entry = active_fake_mode()
             self._register_global_optimizer_hook()
             self._track_resize()
             self.reset_peak()
-        TorchDispatchMode.__enter__(self)
         self._depth += 1
         return self
 
@@ -127,7 +124,10 @@ class UpdateMemory(MemTracker):
         if self._depth == 0:
             self._deregister_param_and_optimizer_hooks()
             self._restore_resize()
-        TorchDispatchMode.__exit__(self, *args)
+
+    @property
+    def tracking(self) -> bool:
+        return self._depth > 0
 
     def _reftype(self) -> Category:
         """Optimizer state inside a torch optimizer's step; in autograd's backward,
@@ -141,15 +141,21 @@ class UpdateMemory(MemTracker):
             kind = Category.ACT
         return self._label or kind
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        res = func(*args, **(kwargs or {}))
-        if func is not _DEVICE_QUERY:  # C++ asking a fake tensor's device: half the ops
-            reftype = self._reftype()
-            for t in tree_leaves(res):
-                if isinstance(t, torch.Tensor):
-                    self._track(reftype, t)
-            self._update_peak_stats(None)
-        return res
+    def track_outputs(self, outputs) -> None:
+        """File the storages an op returned (new ones only) under the current category."""
+        reftype = self._reftype()
+        for t in tree_leaves(outputs):
+            if isinstance(t, torch.Tensor):
+                self._track(reftype, t)
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        """MemTracker's, and the peak moves here, when bytes are added (not after every
+        op, as MemTracker's dispatch checks it)."""
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        snap = self._curr_mem_snap.get(winfo.device)
+        if snap is not None and snap[_TOTAL_KEY] > self._peak_mem.get(winfo.device, 0):
+            self._peak_mem[winfo.device] = snap[_TOTAL_KEY]
+            self._peak_mem_snap[winfo.device] = dict(snap)
 
     def reset_peak(self) -> None:
         """Start a new peak from the current bytes."""

@@ -31,11 +31,12 @@ import torch
 
 from megatron_logra.config import RunConfig
 from megatron_logra.dry_run.batch import rl_samples, sft_microbatches
-from megatron_logra.dry_run.checks import TraceChecks, call_site
+from megatron_logra.dry_run.checks import TraceChecks, call_site, is_machinery, short_path
 from megatron_logra.dry_run.fake_cuda import fake_cuda
 from megatron_logra.dry_run.memory import Category, UpdateMemory
-from megatron_logra.dry_run.world import fake_world
+from megatron_logra.dry_run.world import fake_world, object_collectives
 from megatron_logra.memory.held_state import model_state_bytes
+from megatron_logra.training.megatron_optimizer import materialize_adam_state
 from megatron_logra.runtime.host_read import answered_by
 
 GIB = 2**30
@@ -50,7 +51,7 @@ def trace_rank(cfg: RunConfig, rank: int, world_size: int, gpus_per_node: int = 
 
     start = time.perf_counter()
     report: dict = {"rank": rank, "errors": []}
-    checks = TraceChecks()
+    checks = TraceChecks(UpdateMemory())
     with fake_cuda(), fake_world(rank, world_size, cfg.parallel, gpus_per_node) as where:
         report["coordinates"] = where.to_dict()
         with FakeTensorMode(allow_non_fake_inputs=True), checks, answered_by(checks.answer):
@@ -59,6 +60,7 @@ def trace_rank(cfg: RunConfig, rank: int, world_size: int, gpus_per_node: int = 
             except Exception as exc:  # noqa: BLE001 - the report says what failed, and where
                 report["errors"].append(_failure(exc, checks.phase))
     report["collectives"] = checks.summary()
+    report["object_collectives"] = _counted(object_collectives)
     report["p2p_log"] = checks.p2p
     report["host_reads"] = [{"site": site, **entry} for site, entry in checks.host_reads.items()]
     report["trace_seconds"] = round(time.perf_counter() - start, 2)
@@ -77,7 +79,8 @@ def _trace(cfg: RunConfig, world_size: int, gpus_per_node: int, checks: TraceChe
     objs = build_training_objects(arch, model_build_config(cfg), cfg.optimizer,
                                   seed=cfg.training.seed, train_iters=cfg.training.train_iters)
     report["params"] = sum(p.numel() for p in objs.model[0].parameters())
-    memory = UpdateMemory()
+    materialize_adam_state(objs.dense_optimizer)  # an update of a job under way
+    memory = checks.memory
     memory.register(objs)
     report["built_bytes"] = memory.snapshot("current")
     checks.phase = "update"
@@ -173,20 +176,21 @@ def _engine_share(cfg: RunConfig, arch, push: dict) -> dict:
 
 
 def _failure(exc: Exception, phase: str) -> dict:
-    """What failed, in which phase, and where: the innermost frame of the package or of
-    megatron-core in the exception's traceback (the message of a dry-run check names its
-    own site)."""
+    """What failed, in which phase, and where: the innermost frame of the exception's
+    traceback outside torch and the dry run (the message of a dry-run check names its own
+    site)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    site = next((f"{_rel(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames)
-                 if ("megatron_logra" in f.filename or "megatron/core" in f.filename)
-                 and "dry_run" not in f.filename), call_site())
+    site = next((f"{short_path(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames)
+                 if not is_machinery(f.filename)), call_site())
     return {"phase": phase, "kind": type(exc).__name__, "message": str(exc)[:2000],
-            "site": site, "frames": [f"{_rel(f.filename)}:{f.lineno} {f.name}"
+            "site": site, "frames": [f"{short_path(f.filename)}:{f.lineno} {f.name}"
                                      for f in frames[-12:]]}
 
 
-def _rel(path: str) -> str:
-    for marker in ("megatron_logra/", "megatron/core/"):
-        if marker in path:
-            return marker + path.split(marker, 1)[1]
-    return path
+def _counted(notes: list[dict]) -> list[dict]:
+    """Equal notes once each, with their count."""
+    out: dict[tuple, dict] = {}
+    for note in notes:
+        entry = out.setdefault(tuple(note.items()), {**note, "count": 0})
+        entry["count"] += 1
+    return list(out.values())

@@ -10,14 +10,21 @@ knows which real backend serves each device, as in the real run, and a CPU tenso
 group that NCCL alone serves finds no backend, as it would not. ``real_backends(group)``
 reads that back (``dry_run.checks``).
 
-megatron-core's groups are made without their gloo twins (``create_gloo_process_groups``:
-the fake store cannot hold a gloo rendezvous); a real run uses those only to save and
-load the distributed optimizer's state, which the dry run does not trace.
+A group made with a backend named (megatron-core's gloo twins of its groups, the weight
+channel's group) gets that backend's fake twin (``new_group`` is wrapped while the world
+lives), so it too is served as in the real run.
+
+Object collectives carry Python objects that only the other ranks have. Inside the world
+``all_gather_object`` answers every rank's object with this rank's (megatron-core's
+optimizer aligns its param groups that way: alike on every rank of a uniform model), and
+so does ``gather_object``; a ``broadcast_object_list`` from another rank cannot be
+answered and raises, naming it. Each answer is listed (``object_collectives``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -100,14 +107,63 @@ def fake_world(rank: int, world_size: int, parallel: ParallelConfig,
                             world_size=world_size)
     adopt_runtime(Runtime(device=CUDA, backend=backend, rank=rank, world_size=world_size,
                           local_rank=rank % gpus_per_node))
+    real_new_group = dist.new_group
+
+    def new_group(*args, backend=None, **kwargs):
+        if isinstance(backend, str) and backend not in REAL_NAMES:
+            backend = fake_backend_string(backend)
+        return real_new_group(*args, backend=backend, **kwargs)
+
+    dist.new_group = new_group
+    object_collectives.clear()
+    saved = {name: getattr(dist, name) for name in _OBJECT_COLLECTIVES}
+    for name, fn in _OBJECT_COLLECTIVES.items():
+        setattr(dist, name, fn)
     try:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-            pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-            create_gloo_process_groups=False)
+            pipeline_model_parallel_size=parallel.pipeline_model_parallel_size)
         yield coordinates()
     finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        dist.new_group = real_new_group
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         adopt_runtime(None)
         dist.destroy_process_group()
+
+
+object_collectives: list[dict] = []  # what the world answered: {"call", "site"}
+
+
+def _note(call: str) -> None:
+    from megatron_logra.dry_run.checks import call_site
+
+    object_collectives.append({"call": call, "site": call_site()})
+
+
+def _all_gather_object(object_list, obj, group=None):
+    _note("all_gather_object: every rank's object taken as this rank's")
+    object_list[:] = [copy.deepcopy(obj) for _ in object_list]
+
+
+def _gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
+    _note("gather_object: every rank's object taken as this rank's")
+    if object_gather_list is not None:
+        object_gather_list[:] = [copy.deepcopy(obj) for _ in object_gather_list]
+
+
+def _broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+    source = src if src is not None else dist.get_global_rank(group, group_src or 0)
+    if source != dist.get_rank():
+        from megatron_logra.dry_run.checks import call_site
+
+        raise RuntimeError(f"{call_site()}: broadcast_object_list from rank {source}: the "
+                           f"dry run traces one rank and has not rank {source}'s objects")
+    _note("broadcast_object_list from this rank")
+
+
+_OBJECT_COLLECTIVES = {"all_gather_object": _all_gather_object,
+                       "gather_object": _gather_object,
+                       "broadcast_object_list": _broadcast_object_list}

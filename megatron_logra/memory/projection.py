@@ -173,7 +173,7 @@ def sync_bytes(shape: str, rank: int) -> dict:
     blocks = rank_params(shape, 1, 1, 0)
     full = 2 * sum(b.numel for b in blocks)
     sketched_rows = sum(b.rows for b in blocks if b.role in ROLES + ("embedding", "output"))
-    others = sum(b.numel for b in blocks if b.role == "other")
+    others = sum(b.numel for b in blocks if b.role in ("norm", "other"))
     delta = sketched_rows * (2 * rank + 8) + 2 * others
     return {"full_bytes": full, "sketch_delta_bytes": delta,
             "sync_bytes_ratio": round(delta / full, 5)}

@@ -1,7 +1,7 @@
 """One rank's bytes under dense Adam, LoGRA and LoRA, from the blocks it holds
 (``memory.inventory``).
 
-Per method: bf16 weights; dense Adam's fp32 grad buffer and its fp32 main + Adam moments
+Per method: bf16 weights (norm weights fp32, as megatron-core keeps them); dense Adam's fp32 grad buffer and its fp32 main + Adam moments
 sharded over DP (megatron's distributed optimizer); LoGRA's fp32 sketches (out x r,
 DP-reduced, whole), row states and fp32 masters sharded over DP by whole rows, projections
 A (bf16 when exact); LoRA's adapters with dense Adam's state. Activations op by op (with or
@@ -35,7 +35,8 @@ def model_state(blocks: list[Local], dp: int, *, method: str, rank: int = 256,
     """Bytes by category of one rank's model state (what
     ``held_state.model_state_bytes`` counts on a live rank)."""
     dense_state = lambda n: (4 * n, 12 * n / dp)  # noqa: E731  fp32 grads; main, m, v
-    out = {"params": 2 * sum(b.numel for b in blocks), "grads": 0.0, "dense_optimizer": 0.0}
+    out = {"params": sum((4 if b.role == "norm" else 2) * b.numel for b in blocks),
+           "grads": 0.0, "dense_optimizer": 0.0}
     if method == "dense_adam":
         trained = sum(b.numel for b in blocks)
     elif method == "lora":
