@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FakeWork
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -81,6 +81,18 @@ def call_site() -> str:
     return "?"
 
 
+def call_stack(depth: int = 16) -> list[str]:
+    """The ``depth`` innermost frames of the current stack outside torch and the dry run,
+    innermost first ("path:line function")."""
+    out = []
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        if not is_machinery(frame.filename):
+            out.append(f"{short_path(frame.filename)}:{frame.lineno} {frame.name}")
+            if len(out) == depth:
+                break
+    return out
+
+
 def short_path(path: str) -> str:
     path = os.path.abspath(path)
     for root in ("site-packages" + os.sep, os.path.dirname(_PACKAGE)):
@@ -104,6 +116,19 @@ class CallCount:
         if with_sites:
             out["sites"] = sorted(self.sites)
         return out
+
+
+def _on_real_meta_only(args) -> bool:
+    """Whether an op's tensors (top level and in lists) include a real (not fake) meta
+    tensor and no fake one."""
+    meta = False
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, FakeTensor):
+                return False
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                meta = True
+    return meta
 
 
 class TraceChecks(TorchDispatchMode):
@@ -191,6 +216,9 @@ class TraceChecks(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is _LOCAL_SCALAR:
             return self._unanswered(args[0])
+        if _on_real_meta_only(args):  # shapes the code asked for: no memory (fake_cuda)
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
         if func.namespace == "c10d":
             self._check(func, args, kwargs)
             if func in _COALESCED:  # no fake kernel in torch: what the fake backend does

@@ -26,6 +26,12 @@ torch (C++ parts a CPU-only build lacks):
   tensor C++ creates on ``meta`` becomes a fake ``cuda:0`` one, and ``Tensor.to`` /
   ``Tensor.cuda`` to the device a tensor is on return it, as on CUDA (C++ would compare
   against ``meta`` and copy).
+* Meta tensors the code asks for (shapes without memory, e.g. ``hf_mapping``): torch's
+  factories called with ``device="meta"`` (``torch.empty``, ``zeros``, ... as the CPU
+  shims list them), and ``Tensor.to("meta")``, make real meta tensors outside the fake
+  mode, and the ops on real meta tensors alone run outside it too
+  (``checks.TraceChecks``): fake, they would be counted as CUDA memory. (A meta tensor
+  made under ``with torch.device("meta")`` is not told apart: nothing traced uses one.)
 
 torch.cuda (functions that would initialise CUDA):
 
@@ -51,6 +57,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import importlib
 import os
 from collections.abc import Iterator
 
@@ -131,6 +139,10 @@ def _fake_tensor_as_cuda() -> dict:
 
     def to(self, *args, **kwargs):
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and torch.device(device).type == "meta":  # a real meta copy
+            with fake_tensor.unset_fake_temporarily():
+                return torch.empty_strided(self.shape, self.stride(), dtype=dtype or self.dtype,
+                                           device="meta")
         if (not kwargs.get("copy", False) and memory_format in (None, torch.preserve_format)
                 and dtype in (None, self.dtype)
                 and (device is None or normalize_device(torch.device(device)) == self.device)):
@@ -153,6 +165,28 @@ def _fake_tensor_as_cuda() -> dict:
             "to": to, "cuda": cuda, "type": tensor_type,
             "is_cuda": property(_on_cuda), "is_meta": property(lambda self: False),
             "get_device": lambda self: self.fake_device.index if _on_cuda(self) else -1}
+
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn",
+              "randint", "empty_strided", "as_tensor", "linspace", "eye")  # as the CPU shims'
+
+
+def is_meta(device) -> bool:
+    return (isinstance(device, torch.device) and device.type == "meta") or device == "meta"
+
+
+def _real_meta_factories() -> dict:
+    """torch's factories making real meta tensors (outside the fake mode) when asked for
+    ``device="meta"``: {name: wrapper}."""
+    def real_meta(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if is_meta(kwargs.get("device")):
+                with fake_tensor.unset_fake_temporarily():
+                    return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
+        return wrapper
+    return {name: real_meta(getattr(torch, name)) for name in _FACTORIES}
 
 
 def _rng_tracker() -> dict:
@@ -226,7 +260,14 @@ def fake_cuda() -> Iterator[None]:
                            "its own (launch/pretrain_rl.py --dry-run)")
     from megatron.core.optimizer import clip_grads
     from megatron.core.tensor_parallel import random as mcore_random
+    from torch.utils import _device as torch_device_mode
 
+    # torch's ``with torch.device(...)`` mode recognises factories by identity from a cache
+    # it fills on first use: fill it with the originals before wrapping them
+    torch_device_mode._device_constructors()
+    # forward-mode AD scripts its decompositions on first use, and TorchScript cannot
+    # compile the wrapped factories: load them now, with the originals in place
+    importlib.import_module("torch._decomp.decompositions_for_jvp")
     as_cuda = _fake_tensor_as_cuda()
     rng = _rng_tracker()
     registry = _GuardRegistry()
@@ -236,6 +277,7 @@ def fake_cuda() -> Iterator[None]:
             stack.enter_context(_replaced(_FAKE, as_cuda))
             stack.enter_context(_replaced(torch.Tensor, {"_make_subclass":
                                 _make_fake_cuda_meta_to_cpp(torch.Tensor._make_subclass)}))
+            stack.enter_context(_replaced(torch, _real_meta_factories()))
             stack.enter_context(_replaced(torch.cuda, {
                 "current_device": lambda: "cuda:0",
                 "set_device": lambda *args, **kwargs: None,

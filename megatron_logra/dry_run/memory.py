@@ -24,6 +24,7 @@ import torch
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _RefType
 from torch.utils._pytree import tree_leaves
 
+from megatron_logra.dry_run.checks import call_stack
 from megatron_logra.memory.held_state import optimizer_tensors
 
 
@@ -41,6 +42,7 @@ class Category(_RefType):
     PUSH = "Weight push"
 
 
+SITE_STEP = 64 * 2**20  # the peak's site is taken again when it has grown this much
 REPORTED = {  # report key -> the categories it sums
     "params": (Category.PARAM, Category.BUFFER), "grads": (Category.GRAD,),
     "optimizer": (Category.OPT,), "logra": (Category.LOGRA,), "activations": (Category.ACT,),
@@ -77,6 +79,8 @@ class UpdateMemory(MemTracker):
         self._ref_class = Category
         self._label: Category | None = None
         self._peak_mem, self._peak_mem_snap = {}, {}
+        self._site_at: dict = {}
+        self.peak_sites: dict[str, list[str]] = {}
 
     def register(self, objs) -> None:
         """File what exists before tracking starts: ``held(objs)`` (each storage under the
@@ -150,17 +154,23 @@ class UpdateMemory(MemTracker):
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
         """MemTracker's, and the peak moves here, when bytes are added (not after every
-        op, as MemTracker's dispatch checks it)."""
+        op, as MemTracker's dispatch checks it); the code that allocated at the peak is
+        noted (``peak_site``) when the peak grows by a block of ``SITE_STEP`` bytes."""
         super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
         snap = self._curr_mem_snap.get(winfo.device)
         if snap is not None and snap[_TOTAL_KEY] > self._peak_mem.get(winfo.device, 0):
             self._peak_mem[winfo.device] = snap[_TOTAL_KEY]
             self._peak_mem_snap[winfo.device] = dict(snap)
+            if snap[_TOTAL_KEY] >= self._site_at.get(winfo.device, 0) + SITE_STEP:
+                self._site_at[winfo.device] = snap[_TOTAL_KEY]
+                self.peak_sites[winfo.device.type] = call_stack()
 
     def reset_peak(self) -> None:
         """Start a new peak from the current bytes."""
         self._peak_mem_snap = self.get_tracker_snapshot("current")
         self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._peak_mem_snap.items()}
+        self._site_at = dict(self._peak_mem)
+        self.peak_sites: dict[str, list[str]] = {}  # device type -> the peak's call stack
 
     def snapshot(self, kind: str, device: str = "cuda") -> dict[str, int]:
         """{report key: bytes, "total"} of the ``kind`` ("current" | "peak") snapshot on the

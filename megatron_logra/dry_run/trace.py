@@ -88,6 +88,7 @@ def _trace(cfg: RunConfig, world_size: int, gpus_per_node: int, checks: TraceChe
         _update(cfg, objs, arch)
     report["model_state_bytes"] = model_state_bytes(objs)
     report["update_peak"] = memory.snapshot("peak")
+    report["update_peak_site"] = memory.peak_sites.get("cuda", [])
     report["peak_bytes"] = report["update_peak"]["total"]
     if cfg.training.stage != "rl":
         return
@@ -96,6 +97,7 @@ def _trace(cfg: RunConfig, world_size: int, gpus_per_node: int, checks: TraceChe
     with memory, memory.labelled(Category.PUSH):
         report["weight_push"] = _first_push(cfg, objs, arch, world_size, gpus_per_node)
     report["push_peak"] = memory.snapshot("peak")
+    report["push_peak_site"] = memory.peak_sites.get("cuda", [])
     report["peak_bytes"] = max(report["peak_bytes"], report["push_peak"]["total"])
     report["engine"] = _engine_share(cfg, arch, report["weight_push"])
 

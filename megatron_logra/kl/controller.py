@@ -112,7 +112,7 @@ class PredictedKLStep:
         self.cfg, self.temperature, self.vocab_size = cfg, temperature, vocab_size
         self.max_response_tokens = max_response_tokens
         self.controller = kl_budget.KLController(cfg)
-        self._old_logits: torch.Tensor | None = None  # probe rows [n, Vp/TP] at the old weights
+        self._old_logits: torch.Tensor | None = None  # probe rows [n, Vp/TP], old weights
 
     def _responses(self, x: torch.Tensor, probe: dict[str, torch.Tensor]) -> torch.Tensor:
         """The rows of ``x`` [b, s, ...] at the probe's response positions [n, ...]."""
