@@ -49,7 +49,7 @@ def trace_rank(cfg: RunConfig, rank: int, world_size: int, gpus_per_node: int = 
     backend, the push's messages, the host reads answered, the engine's share, errors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     report: dict = {"rank": rank, "errors": []}
     checks = TraceChecks(UpdateMemory())
     with fake_cuda(), fake_world(rank, world_size, cfg.parallel, gpus_per_node) as where:
@@ -64,6 +64,7 @@ def trace_rank(cfg: RunConfig, rank: int, world_size: int, gpus_per_node: int = 
     report["p2p_log"] = checks.p2p
     report["host_reads"] = [{"site": site, **entry} for site, entry in checks.host_reads.items()]
     report["trace_seconds"] = round(time.perf_counter() - start, 2)
+    report["trace_cpu_seconds"] = round(time.process_time() - cpu, 2)
     return report
 
 

@@ -18,8 +18,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-COMMON = ["--stage", "rl", "--bf16", "--use-distributed-optimizer", "--prompts-per-step", "8",
-          "--seq-length", "64", "--max-new-tokens", "32", "--micro-batch-size", "1",
+COMMON = ["--stage", "rl", "--bf16", "--use-distributed-optimizer", "--prompts-per-step", "4",
+          "--seq-length", "48", "--max-new-tokens", "16", "--micro-batch-size", "1",
           "--task", "gcd", "--dry-run", "--dry-run-world-size", "8"]
 LAYOUTS = {
     "tp2_pp2_dp2_logra": ["--tensor-model-parallel-size", "2",
