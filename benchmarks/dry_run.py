@@ -302,7 +302,7 @@ def markdown(report: dict) -> str:
                 "parallel grown with the GPUs; 128 prompts x 4096 tokens per update), traced "
                 "by `launch/pretrain_rl.py --dry-run` (GiB):", "",
                 "| GPUs | layout | method | stage | model state | peak | of which activations "
-                "| plan's peak | fits 80 GiB | fits 141 GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+                "| plan's peak | fits 80 GiB | fits 141 GiB |", "|---" * 10 + "|"]
         for r in report["scaling"]["rows"]:
             need = r["peak_bytes"]
             out.append(f"| {r['gpus']} | {r['layout']} | {r['method']} | {r['stage']} | "

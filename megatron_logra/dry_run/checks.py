@@ -50,10 +50,11 @@ _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _COALESCED = {getattr(torch.ops.c10d, name).default for name in (
     "allreduce_coalesced_", "allgather_coalesced_", "allgather_into_tensor_coalesced_",
     "reduce_scatter_tensor_coalesced_")}  # in place on their outputs; return a Work
+# c10d op -> the position of its input tensor(s) (the payload counted)
 _INPUTS = {"allgather_": 1, "_allgather_base_": 1, "reduce_scatter_": 1,
            "_reduce_scatter_base_": 1, "gather_": 1, "scatter_": 1, "alltoall_": 1,
            "alltoall_base_": 1, "allgather_coalesced_": 1,
-           "allgather_into_tensor_coalesced_": 1, "reduce_scatter_tensor_coalesced_": 1}  # c10d op -> the position of its input tensor(s)
+           "allgather_into_tensor_coalesced_": 1, "reduce_scatter_tensor_coalesced_": 1}
 
 
 class CollectiveMismatch(RuntimeError):

@@ -19,13 +19,14 @@ torch (C++ parts a CPU-only build lacks):
   and its pointer moved to the CUDA slot).
 * What C++ sees of a fake CUDA tensor: ``meta``. The autograd engine keeps CUDA tensors
   on the accelerator's streams, and a CPU-only build has no CUDA accelerator ("Cannot
-  access accelerator device when none is available" in ``InputBuffer::add``). So C++
-  asks a fake CUDA tensor's device (``prim.device``) and gets ``meta``, as FakeTensorMode
-  itself answers inside its kernels, while Python code sees ``cuda:0``
-  (``FakeTensor.device``, ``is_cuda``, ``is_meta``, ``type()``, ``get_device()``); a
-  tensor C++ creates on ``meta`` becomes a fake ``cuda:0`` one, and ``Tensor.to`` /
-  ``Tensor.cuda`` to the device a tensor is on return it, as on CUDA (C++ would compare
-  against ``meta`` and copy).
+  access accelerator device when none is available" in ``InputBuffer::add``). So a fake
+  CUDA tensor is made without FakeTensorMode's ``dispatch_device`` (``_make_subclass``):
+  C++ reads its device from its meta storage, as FakeTensorMode's kernels see it anyway
+  (and need not call back into Python for it: half the ops of a traced update were that
+  question), while Python code sees ``cuda:0`` (``FakeTensor.device``, ``is_cuda``,
+  ``is_meta``, ``type()``, ``get_device()``); a tensor C++ creates on ``meta`` becomes a
+  fake ``cuda:0`` one, and ``Tensor.to`` / ``Tensor.cuda`` to the device a tensor is on
+  return it, as on CUDA (C++ would compare against ``meta`` and copy).
 * Meta tensors the code asks for (shapes without memory, e.g. ``hf_mapping``): torch's
   factories called with ``device="meta"`` (``torch.empty``, ``zeros``, ... as the CPU
   shims list them), and ``Tensor.to("meta")``, make real meta tensors outside the fake
@@ -150,10 +151,9 @@ def _fake_tensor_as_cuda() -> dict:
         return torch.Tensor.to(self, *args, **kwargs)
 
     def cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
-        index = 0 if device is None else torch.device("cuda", device).index \
-            if isinstance(device, int) else torch.device(device).index or 0
-        return self.to(torch.device("cuda", index), non_blocking=non_blocking,
-                       memory_format=memory_format)
+        target = torch.device("cuda", device) if isinstance(device, int) \
+            else torch.device(device or "cuda")
+        return self.to(target, non_blocking=non_blocking, memory_format=memory_format)
 
     def tensor_type(self, *args, **kwargs):
         out = torch.Tensor.type(self, *args, **kwargs)

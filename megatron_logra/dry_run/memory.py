@@ -1,17 +1,18 @@
 """Per-rank memory of the traced update, by category: torch's ``MemTracker`` with the
 categories this package reports.
 
-``MemTracker`` (``torch.distributed._tools.mem_tracker``) attributes every storage an op
-creates to parameters, gradients, optimizer state (inside a torch optimizer's step),
-activations (forward) or temporaries (backward), keeps the current bytes per device and
-category, and a snapshot at the peak. ``UpdateMemory`` adds the categories torch does
-not know: LoGRA's state (sketches, row moments, projections, row indices) and the weight
-push's message buffers; ``register`` files what the build made before tracking starts
-(``held(objs)``: model params, DDP's grad buffers, megatron's mains and moments, LoGRA's
-state; anything else still alive on the device as other), and ``labelled(category)``
-files what is created while inside under that category (the push's messages). Its
-module-wise snapshots are off (``UpdateMemory._pre_fw_hook``). CUDA storages count in 512-byte blocks, as the CUDA
-caching allocator rounds them.
+``MemTracker`` (``torch.distributed._tools.mem_tracker``) files every storage an op
+creates under a category (parameters, gradients, optimizer state inside a torch
+optimizer's step, activations, temporaries), keeps the current bytes per device and
+category, and a snapshot at the peak; CUDA storages count in 512-byte blocks, as CUDA's
+caching allocator rounds them. ``UpdateMemory`` adds the categories torch does not know
+(LoGRA's state: sketches, row moments, projections, row indices; the weight push's
+message buffers), files what the build made before tracking starts (``register``:
+``held(objs)``, then anything else alive on the device as other), and files what is
+created inside ``labelled(category)`` under that category (the push's messages). It is
+driven by the dry run's one dispatch mode (``checks.TraceChecks`` hands it each op's
+outputs), without MemTracker's module tracking (see ``UpdateMemory.__enter__``), and
+notes the call stack where the peak was reached (``peak_sites``).
 """
 
 from __future__ import annotations

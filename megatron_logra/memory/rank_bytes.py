@@ -1,9 +1,10 @@
 """One rank's bytes under dense Adam, LoGRA and LoRA, from the blocks it holds
 (``memory.inventory``).
 
-Per method: bf16 weights (norm weights fp32, as megatron-core keeps them); dense Adam's fp32 grad buffer and its fp32 main + Adam moments
-sharded over DP (megatron's distributed optimizer); LoGRA's fp32 sketches (out x r,
-DP-reduced, whole), row states and fp32 masters sharded over DP by whole rows, projections
+Per method: bf16 weights (norm weights fp32, as megatron-core keeps them); dense Adam's
+fp32 grad buffer and its fp32 main + Adam moments sharded over DP (megatron's distributed
+optimizer); LoGRA's fp32 sketches (out x r, DP-reduced, whole), row states and fp32
+masters sharded over DP by whole rows, projections
 A (bf16 when exact); LoRA's adapters with dense Adam's state. Activations op by op (with or
 without full recompute), times the microbatches the rank's pipeline stage keeps in flight
 (1F1B: PP - stage). The optimizer step's transient is derived from the ops the step runs

@@ -2,11 +2,12 @@
 
 A value the host needs from a tensor (a flag all-reduced over the world, a token count,
 a norm that picks a step size) is read with ``host_value(tensor, assume=...)``:
-``tensor.tolist()`` (a Python number for a 0-d tensor, a list otherwise). ``assume`` states the value a trace without values takes in
-its place, the one that makes the run do the most work (every row updated, every probe
-token kept, a finite step): a dry run (``megatron_logra.dry_run``) traces the real code
-on tensors that have shapes but no values, and answers each read with its ``assume``
-(``answered_by``). Nothing else in the package knows whether values exist.
+``tensor.tolist()`` (a Python number for a 0-d tensor, a list otherwise). ``assume``
+states the value a trace without values takes in its place, the one that makes the run
+do the most work (every row updated, every probe token kept, a finite step): a dry run
+(``megatron_logra.dry_run``) traces the real code on tensors that have shapes but no
+values, and answers each read with its ``assume`` (``answered_by``). Nothing else in the
+package knows whether values exist.
 """
 
 from __future__ import annotations
