@@ -70,7 +70,9 @@ paper-cpu: setup
 # The one-GPU check (benchmarks/gpu_check.py; --cpu runs it here, in the tests). Here,
 # where pip reaches the package index: `make gpu-wheels` (megatron-core and what else the
 # GPU machine lacks, requirements/gpu-check.txt, into .whl/). On the GPU machine, with
-# .whl/ carried, its own python3 (not .venv): `make gpu-check GPU_CHECK_OUT=...`.
+# .whl/ carried (it is git-ignored), its own python3 (not .venv), which must have torch
+# (CUDA), numpy, packaging, setuptools, tqdm and psutil: `make gpu-check GPU_CHECK_OUT=...`
+# (docs/usage.md, "The one-GPU check").
 GPU_CHECK_OUT ?= runs/gpu-check
 gpu-wheels:
 	bash benchmarks/fetch_gpu_wheels.sh

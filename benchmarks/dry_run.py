@@ -15,7 +15,7 @@ CPU time, wall time and peak RSS recorded: what a dry run costs). Parts:
 2. ``analytic``: the paper's recipes (``recipes/paper/{dense,logra}-{1.5b,7b,27b}.yaml``)
    on 8 GPUs, their whole RL update (128 prompts, 4096 tokens, LoGRA's predicted-KL
    control), one rank per pipeline stage (TP and DP rank 0: the ranks of a stage hold
-   the same shapes), against the memory plan (``memory.projection.paper_plan``) of that
+   the same shapes), against the memory plan (``memory.forecast.paper_plan``) of that
    stage: model state and peak.
 3. ``gpu_check``: the 1.5B step ``benchmarks/gpu_check.py`` measures on one GPU (dense
    Adam, LoGRA fp32 master, LoRA; 1 x 4096 tokens, recompute): the figures it compares
@@ -179,7 +179,7 @@ def stage_ranks(tp: int, pp: int, dp: int) -> dict[int, int]:
 
 def analytic_part(trace: Tracer) -> dict:
     """Dry run of the paper's recipes on 8 GPUs vs the memory plan, per pipeline stage."""
-    from megatron_logra.memory.projection import paper_plan
+    from megatron_logra.memory.forecast import paper_plan
 
     rows = []
     for size, (shape, tp, pp) in PAPER.items():
@@ -228,7 +228,7 @@ def gpu_check_part(trace: Tracer) -> dict:
 
 def scaling_part(trace: Tracer) -> dict:
     """The 27B recipe at 8-64 GPUs, TP4 x PP2 x DP, per method (see the module doc)."""
-    from megatron_logra.memory.projection import paper_plan
+    from megatron_logra.memory.forecast import paper_plan
 
     tp, pp = PAPER["27B"][1:]
     rows, busier = [], {}
@@ -317,7 +317,7 @@ def markdown(report: dict) -> str:
                 + ", ".join(f"{m} stage {s}" for m, s in
                             report["scaling"]["busier_stage"].items()) + ").", ""]
     if "analytic" in report:
-        out += ["The dry run against the memory plan (`memory.projection.paper_plan`), the "
+        out += ["The dry run against the memory plan (`memory.forecast.paper_plan`), the "
                 "paper's recipes on 8 GPUs, one rank per pipeline stage (GiB):", "",
                 "| model | recipe | layout | stage | state: dry run / plan | peak: dry run / "
                 "plan | peak difference |", "|---|---|---|---|---|---|---|"]

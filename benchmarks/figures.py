@@ -1,6 +1,7 @@
-"""The paper's diagnostics on this project's runs: what LoGRA's sketches keep (Figure 5b/c),
-how LoGRA's update compares with dense Adam's from the same gradients, and the KL control
-and rank curves (Figures 5a and 6) from benchmarks/quality.py's runs.
+"""The paper's diagnostics on this project's runs: what LoGRA's sketches keep (Figure 5b/c)
+and how LoGRA's update compares with dense Adam's from the same gradients. (Figures 5(a)
+and 6, rank and step controls, are drawn from the quality benchmark's runs by
+benchmarks/quality_report.py.)
 
     python benchmarks/figures.py collect --model smollm2   # real RL gradients (minutes)
     python benchmarks/figures.py collect --model tiny      # the same on the tiny model
@@ -28,11 +29,7 @@ as the optimizer is about to step.
 
 Projections are the project's own (``logra.projection``: counter-based, seeded per
 update and weight). Written to ``benchmarks/results/figures/``: ``sketch_cosines.json``,
-``fig5b.png``, ``fig5c.png``, ``update_cosine.png``; ``draw`` also draws ``fig5a.png``
-(held-out pass@1 against rank: ``quality.py --methods logra-r16,logra,logra-r256``) and
-``fig6.png`` (accuracy, response length and realized vs predicted KL per step control:
-the long-horizon runs named at ``LONG_HORIZON``) from the quality benchmark's JSON.
-Every figure is a CPU one.
+``fig5b.png``, ``fig5c.png``, ``update_cosine.png``. Every figure is a CPU one.
 """
 
 from __future__ import annotations
@@ -49,9 +46,6 @@ REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "runs" / "figures"
 RESULTS = REPO / "benchmarks" / "results" / "figures"
 RANKS = (16, 64, 256)
-# Figure 6's runs: benchmarks/quality.py --methods logra,logra-no-mismatch,logra-fixed-step
-#   --seeds 1,2 --updates 48 --runs runs/quality-long --results benchmarks/results/long
-LONG_HORIZON = "results/long"
 SKETCHED = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight",
             "linear_fc2.weight")
 # the quality setup's dense Adam run (recipes/quality/dense.yaml) in one process
@@ -314,127 +308,6 @@ def _update_cosine_plot(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _quality_runs(results: str = "results") -> dict:
-    """The runs of ``benchmarks/RESULTS/quality.json`` (``results``: the quality benchmark's
-    --results folder under benchmarks/)."""
-    path = REPO / "benchmarks" / results / "quality.json"
-    return json.loads(path.read_text())["runs"] if path.is_file() else {}
-
-
-def _curves_by_method(runs: dict, methods: dict[str, str], key: str) -> dict:
-    out = {}
-    for method, label in methods.items():
-        curves = [r[key] for r in runs.values() if r["method"] == method and r.get(key)]
-        if curves:
-            out[label] = curves
-    return out
-
-
-def _gain_curve(run: list) -> dict[int, float]:
-    """update -> held-out pass@1 minus the run's own pass@1 before its first update (the
-    seeds' eval samples differ, so their starts do)."""
-    start = dict(run)[0]
-    return {u: v - start for u, v in run}
-
-
-def _fig5a(path: Path) -> bool:
-    """Training against rank (quality runs of LoGRA at r=16, 64, 256, with dense Adam):
-    left, each run's pass@1 gain over its own start per update (thin: seeds; thick: the
-    mean over seeds where every seed has the update, dashed: the mean over the seeds
-    that ran further); right, the gain at the longest
-    horizon every rank reached on some seed, per seed that reached it, against the rank."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ranks = {"logra-r16": ("r=16", 16), "logra": ("r=64", 64), "logra-r256": ("r=256", 256)}
-    curves = _curves_by_method(_quality_runs(), {**{m: lab for m, (lab, _) in ranks.items()},
-                                                 "dense": "dense Adam"}, "pass@1")
-    if not any(lab in curves for lab, _ in ranks.values()):
-        return False
-    gains = {label: [_gain_curve(run) for run in runs] for label, runs in curves.items()}
-    horizon = min(max(max(g) for g in runs) for label, runs in gains.items()
-                  if label != "dense Adam")  # the longest every rank reached on some seed
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for i, (label, runs) in enumerate(gains.items()):
-        color = f"C{i}"
-        for run in runs:
-            left.plot(*zip(*sorted(run.items())), color=color, alpha=0.3, lw=0.8)
-        shared = sorted(set.intersection(*(set(r) for r in runs)))
-        left.plot(shared, [sum(r[u] for r in runs) / len(runs) for u in shared], color=color,
-                  lw=2, label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
-        beyond = sorted(set().union(*runs) - set(shared[:-1]))
-        if len(beyond) > 1:  # past the shared updates: the mean over the seeds there, dashed
-            left.plot(beyond, [sum(r[u] for r in runs if u in r) / sum(u in r for r in runs)
-                               for u in beyond], color=color, lw=1.5, ls="--")
-        at = [r[horizon] for r in runs if horizon in r]
-        x = dict(ranks.values()).get(label) if label != "dense Adam" else None
-        if x is None:
-            right.axhspan(min(at), max(at), color=color, alpha=0.15, label=f"{label} (range)")
-            right.axhline(sum(at) / len(at), color=color, lw=1.5)
-        else:
-            right.scatter([x] * len(at), at, color=color, s=18)
-            right.scatter([x], [sum(at) / len(at)], color=color, marker="_", s=300)
-    left.axhline(0, color="k", lw=0.5)
-    left.set_xlabel("update")
-    left.set_ylabel("held-out pass@1 gain over the start")
-    left.legend(fontsize=8)
-    right.set_xscale("log", base=2)
-    right.set_xticks([16, 64, 256], ["16", "64", "256"])
-    right.set_xlabel("LoGRA rank r")
-    right.set_ylabel(f"pass@1 gain after {horizon} updates")
-    right.axhline(0, color="k", lw=0.5)
-    right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def _fig6(path: Path) -> bool:
-    """Step controls: held-out pass@1, response length and realized vs predicted KL."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    methods = {"logra": "predicted-KL control", "logra-no-mismatch": "budget, no mismatch term",
-               "logra-fixed-step": "fixed step (alpha = 1, KL measured)"}
-    # the long-horizon runs when there are any (LONG_HORIZON), else the quality runs
-    runs = _quality_runs(LONG_HORIZON) or _quality_runs()
-    acc = _curves_by_method(runs, methods, "pass@1")
-    if not acc:
-        return False
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    for i, (key, ylabel) in enumerate((("pass@1", "held-out pass@1"),
-                                       ("response_len", "response length (tokens)"))):
-        for label, curves in _curves_by_method(runs, methods, key).items():
-            for k, run in enumerate(curves):
-                axes[i].plot(*zip(*run), color=f"C{list(methods.values()).index(label)}",
-                             label=label if k == 0 else None)
-        axes[i].set_xlabel("update")
-        axes[i].set_ylabel(ylabel)
-    for label, curves in _curves_by_method(runs, methods, "kl").items():
-        points = [(p, q) for run in curves for _, p, q in run if p and q]
-        if points:
-            axes[2].scatter(*zip(*points), s=10, label=label,
-                            color=f"C{list(methods.values()).index(label)}")
-    axes[2].set_xscale("log")
-    axes[2].set_yscale("log")
-    axes[2].set_xlabel("predicted KL")
-    axes[2].set_ylabel("realized KL")
-    lims = axes[2].get_xlim()
-    axes[2].plot(lims, lims, "k--", lw=0.8)
-    for ax in axes:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
 def draw() -> list[str]:
     """Every figure from its JSON (those whose data exist)."""
     drawn = []
@@ -451,10 +324,6 @@ def draw() -> list[str]:
                   "Figure 5(c): refreshed Rademacher vs Gaussian", RESULTS / "fig5c.png")
         _update_cosine_plot(data, RESULTS / "update_cosine.png")
         drawn += ["fig5b.png", "fig5c.png", "update_cosine.png"]
-    if _fig5a(RESULTS / "fig5a.png"):
-        drawn.append("fig5a.png")
-    if _fig6(RESULTS / "fig6.png"):
-        drawn.append("fig6.png")
     return drawn
 
 

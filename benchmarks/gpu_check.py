@@ -6,8 +6,9 @@ lacks (``requirements/gpu-check.txt``) as wheels into ``.whl/``:
 
     make gpu-wheels
 
-On the GPU machine (one H100 or H200; its own python3 with torch, no vLLM, no internet;
-``.whl/`` carried along), in under 8 minutes:
+On the GPU machine (one H100 or H200; its own python3 with torch and
+``MACHINE_PACKAGES``, no vLLM, no internet; ``.whl/`` carried along; estimated at 3-8
+minutes, not yet measured on a GPU):
 
     make gpu-check GPU_CHECK_OUT=runs/gpu-check
 
@@ -20,9 +21,10 @@ Parts, each a progress line and a JSON file in ``--out``:
 
 1. ``device_independence.json``: LoGRA's projection blocks (Rademacher and Gaussian),
    its stochastic-rounding noise and bf16 rounding, and the exact low-rank update
-   W <- SR(W - c D A) computed on the CPU and on the GPU: bit-identical (Gaussian
-   projections are documented as within one float32 ulp, libm's log/cos: the ulp
-   distance is reported, and more than one fails).
+   W <- SR(W - c D A) computed on the CPU and on the GPU: bit-identical, NaNs and
+   infinities included (the bf16 bits come from an integer shift, never from torch's
+   float cast, whose NaN differs by device), Gaussian projections within one float32 ulp
+   (documented: libm's log/cos; the ulp distance is reported, and more than one fails).
 2. ``trainer.json``: torch.distributed in one process (NCCL on CUDA, gloo on CPU), the
    embedded tiny Llama with bf16 params. Dense Adam (megatron's distributed optimizer;
    Transformer Engine's layers when they import), LoGRA with fp32 masters, LoGRA
@@ -34,7 +36,9 @@ Parts, each a progress line and a JSON file in ``--out``:
    local layers: Transformer Engine's have no forward-mode jvp), with fp32 params at a
    budget where the second-order prediction holds and with bf16 params at one where
    rounding to whole ulps is not most of the step (``KL_BUDGETS``): K > 0 and the
-   realized KL within 10% of the predicted alpha^2 K.
+   realized KL within 10% of the predicted alpha^2 K. On CUDA with cuBLAS's
+   reduced-precision reductions in bf16 GEMMs off (fp32 accumulation, as on the CPU
+   where ``KL_BUDGETS``' errors were measured) and TF32 off (torch's default).
 3. ``memory_time.json``: at the Qwen2.5-1.5B shape (random init, 4096 tokens,
    microbatch 1, full recompute, LoGRA r=256 as the paper), dense Adam, LoGRA (fp32
    masters) and LoRA each in a fresh process (``_train_probe.Probe``), stepped in turn
@@ -68,6 +72,11 @@ from step_time import _median_phases
 
 SEED = 1234
 PARTS = ("device", "trainer", "memory")
+# What the GPU machine's own python3 must have: `make gpu-check` adds only .whl/'s wheels
+# (megatron-core). Found by running --cpu, all three parts, with every other non-stdlib
+# package made unimportable: megatron-core imports tqdm, psutil (its checkpoint writer)
+# and torch.utils.cpp_extension (setuptools).
+MACHINE_PACKAGES = ("torch", "numpy", "packaging", "setuptools", "tqdm", "psutil")
 KL_TOLERANCE = 0.1  # |realized - predicted| <= 10% of predicted
 
 
@@ -173,6 +182,8 @@ def device_cases(scale: Scale) -> dict:
     special = values.clone()
     special[0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 3e38])
     weight = (torch.randn(rows, cols, generator=g) * 0.02).bfloat16()  # W bf16 [rows, cols]
+    broken = weight.clone()  # W with an infinity and NaNs of both signs in its first row
+    broken[0, :3] = torch.tensor([float("inf"), float("nan"), -float("nan")])
     d = (torch.randn(rows, rank, generator=g) * 1e-3).bfloat16()  # D bf16 [rows, r]
 
     def projection(kind):
@@ -182,9 +193,9 @@ def device_cases(scale: Scale) -> dict:
     def rounded(x):
         return lambda dev: stochastic_round_bf16(x.to(dev), seed, global_rows.to(dev), col0)
 
-    def applied(coefficient):
+    def applied(coefficient, w0=weight):
         def run(dev):
-            w = weight.to(dev).clone()
+            w = w0.to(dev).clone()
             apply_bf16_update(w, d.to(dev), coefficient, seed, rank=rank, kind="rademacher",
                               global_rows=global_rows.to(dev), col_offset=col0)
             return w
@@ -199,6 +210,7 @@ def device_cases(scale: Scale) -> dict:
         "stochastic_round_bf16_nonfinite": rounded(special),
         "apply_bf16_update": applied(1.0),  # [rows, cols] bf16, c folded into D
         "apply_bf16_update_scaled": applied(0.37),
+        "apply_bf16_update_nonfinite": applied(1.0, broken),  # NaN bits: CANONICAL_NAN
     }
 
 
@@ -381,12 +393,20 @@ def trainer_part(device: str, scale: Scale) -> dict:
 
     rt = init_runtime()
     initialize(ParallelConfig(1, 1), rt.world_size, seed=SEED)
+    matmul = torch.backends.cuda.matmul
+    reduced_before = matmul.allow_bf16_reduced_precision_reduction
     if device == "cuda":  # bit-exact resume needs run-to-run determinism
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # the KL tolerance was measured on the CPU, whose bf16 GEMMs accumulate in fp32:
+        # cuBLAS's split-K reductions in bf16 would add an error that measurement never saw
+        matmul.allow_bf16_reduced_precision_reduction = False
     arch, te = load_arch(EMBEDDED_DEFAULT), transformer_engine_available()
     steps = (scale.steps_before_save, scale.steps_after_save)
     report = {"device": str(rt.device), "backend": rt.backend, "world_size": rt.world_size,
               "bf16": True, "deterministic_algorithms": device == "cuda",
+              "cublas_bf16_reduced_precision_reduction":  # cuBLAS's settings (None on CPU)
+                  matmul.allow_bf16_reduced_precision_reduction if device == "cuda" else None,
+              "tf32_matmul": matmul.allow_tf32 if device == "cuda" else None,
               "model": "embedded tiny-llama", "setup": asdict(TRAINER), "steps": steps,
               "transformer_engine_available": te, "resume": {}, "kl_control": {}}
     with tempfile.TemporaryDirectory(prefix="gpu_check_ckpt_") as tmp:
@@ -408,6 +428,7 @@ def trainer_part(device: str, scale: Scale) -> dict:
                      f"({100 * r['relative_error']:+.2f}%)")
     if device == "cuda":
         torch.use_deterministic_algorithms(False)
+        matmul.allow_bf16_reduced_precision_reduction = reduced_before
     report["ok"] = all(r["ok"] for group in ("resume", "kl_control")
                        for r in report[group].values())
     return report
@@ -604,12 +625,24 @@ def run_part(label: str, out: Path, fn) -> dict:
     return report
 
 
+def missing_packages(names=MACHINE_PACKAGES) -> list[str]:
+    """Those of ``names`` this Python cannot import."""
+    import importlib.util
+
+    return [name for name in names if importlib.util.find_spec(name) is None]
+
+
 def select_device(cpu: bool) -> str:
     """cpu under --cpu; else CUDA, which must be there (deterministic cuBLAS workspace set
-    before its first use, for part 2)."""
+    before its first use, for part 2), with ``MACHINE_PACKAGES``."""
     os.environ["MEGATRON_LOGRA_DEVICE"] = "cpu" if cpu else "cuda"
     if cpu:
         return "cpu"
+    missing = missing_packages()
+    if missing:
+        raise SystemExit(f"gpu_check: this python3 lacks {', '.join(missing)}: install them "
+                         f"on the GPU machine, or add them to requirements/gpu-check.txt and "
+                         f"bring their wheels (make gpu-wheels)")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 

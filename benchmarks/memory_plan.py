@@ -28,7 +28,7 @@ from pathlib import Path
 
 from _results import save
 
-from megatron_logra.memory.projection import (ENGINE_ASLEEP_GIB, ENGINE_OVERHEAD_GIB, METHODS,
+from megatron_logra.memory.forecast import (ENGINE_ASLEEP_GIB, ENGINE_OVERHEAD_GIB, METHODS,
                                               ROLLOUT_SEQS, ROLLOUT_TOKENS, placements,
                                               project, validate)
 from megatron_logra.memory.shapes import CONFIG_SHAPES

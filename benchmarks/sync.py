@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_logra.memory.projection import PROJECTED, sync_bytes
+from megatron_logra.memory.forecast import sync_bytes
+from megatron_logra.memory.shapes import PAPER_SHAPES
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL, CKPT = REPO / "models" / "smollm2-135m-instruct", REPO / "ckpts" / "smollm2"
@@ -70,7 +71,8 @@ def rollout_speed(prompts: int = 32, new_tokens: int = 48) -> dict:
     push can update in place) and of one with live weights (``F.linear``, what the
     ``mlogra`` backend writes into): the price on CPU of in-place pushes. The best of two
     rounds of ``prompts`` x ``new_tokens``."""
-    from megatron_logra.rollout.types import EngineConfig, SampleRequest
+    from megatron_logra.rollout.config import EngineConfig
+    from megatron_logra.rollout.types import SampleRequest, ServerSpec
     from megatron_logra.rollout.vllm_server import VllmServer
 
     requests = [SampleRequest(list(range(100, 140)), seed=i, max_new_tokens=new_tokens,
@@ -78,9 +80,9 @@ def rollout_speed(prompts: int = 32, new_tokens: int = 48) -> dict:
     out = {}
     for label, live in (("packed", "0"), ("live", "1")):
         engine = VllmServer.local(
-            EngineConfig(str(MODEL), max_model_len=256, dtype="bfloat16", kv_cache_gib=0.5,
-                         max_num_seqs=prompts, load_format="auto",
-                         env=(("MLOGRA_LIVE_WEIGHTS", live),)),
+            ServerSpec(str(MODEL), max_model_len=256, max_num_seqs=prompts, load_format="auto",
+                       engine=EngineConfig(dtype="bfloat16", kv_cache_gib=0.5),
+                       env=(("MLOGRA_LIVE_WEIGHTS", live),)),
             REPO / "runs" / "bench_sync" / f"server_{label}.log", cuda=False)
         try:
             engine.assume_version(0)
@@ -102,7 +104,7 @@ def main(argv=None) -> None:
     if not (MODEL / "model.safetensors").exists() or not (CKPT / "latest").exists():
         raise SystemExit(f"needs {MODEL} and {CKPT}: run `make demo` once (it converts "
                          "SmolLM2-135M-Instruct with checkpoints_tools)")
-    from megatron_logra.weight_sync.full_weights import full_push
+    from megatron_logra.weight_sync.gathered_weights import gathered_buckets
     from megatron_logra.weight_sync.sketch_rows import owned_updates
     from megatron_logra.cli import parse_run_config
     from megatron_logra.rl.stage import RLStage
@@ -126,11 +128,12 @@ def main(argv=None) -> None:
     rows: list[dict] = []
 
     def exact_now() -> bool:
-        return run.source.weights.engine_mismatches(run.engine) == 0
+        return run.sync.engine_mismatches(run.engine) == 0
 
     try:
-        run.source.weights.track_changes()  # the sparse-delta base, recorded by every full push
-        run.push_weights(transport="full")
+        run.sync.track_changes()  # the sparse-delta base, recorded by every full push
+        with run.sync.forcing("full"):
+            run.push_weights()
         exact = True
         for update in range(args.updates):
             transport = ("sketch-delta", "sparse-delta")[update % 2]
@@ -142,14 +145,16 @@ def main(argv=None) -> None:
             if transport == "sketch-delta":
                 _, assembly = _timed(lambda: owned_updates(objs.optimizer))
             before = run.sync_stats.bytes
-            _, delta_time = _timed(lambda: run.push_weights(transport=transport))
+            with run.sync.forcing(transport):
+                _, delta_time = _timed(run.push_weights)
             assert run.sync_stats.last_transport == transport, run.sync_stats.last_transport
             delta_bytes = run.sync_stats.bytes - before
             exact = exact and exact_now()
-            _, full_assembly = _timed(lambda: [b for b in full_push(
-                objs.model, arch, run.source.weights.plan, dtype=torch.bfloat16)])
+            _, full_assembly = _timed(lambda: [b for b in gathered_buckets(
+                objs.model, arch, run.sync.plan, dtype=torch.bfloat16)])
             before = run.sync_stats.bytes
-            _, full_time = _timed(lambda: run.push_weights(transport="full"))  # same weights
+            with run.sync.forcing("full"):
+                _, full_time = _timed(run.push_weights)  # the same weights
             rows.append({"update": update + 1, "transport": transport,
                          "delta_bytes": delta_bytes, "full_bytes": run.sync_stats.bytes - before,
                          "delta_time_s": delta_time, "full_time_s": full_time,
@@ -171,7 +176,7 @@ def main(argv=None) -> None:
     report = {"benchmark": "sync", "model": "smollm2-135m", "rank": args.rank,
               "updates": args.updates, "per_update": rows, "full": full, **per,
               "verify_time_s": verify_time,
-              "projection": {name: sync_bytes(PROJECTED[name], 256)
+              "projection": {name: sync_bytes(PAPER_SHAPES[name], 256)
                              for name in ("7B", "27B")},
               "projection_smollm2_r": sync_bytes("smollm2-135m", args.rank),
               "sparse_bytes_ratio": round(per["sparse-delta"]["delta_bytes"] / full["full_bytes"], 5),

@@ -27,16 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=48)
     args = p.parse_args(argv)
 
-    from megatron_logra.rollout.types import EngineConfig, SampleRequest
+    from megatron_logra.rollout.types import SampleRequest, ServerSpec
     from megatron_logra.data.tasks import generate_items
     from megatron_logra.data.tokenizer import load_tokenizer
-    from megatron_logra.rl import rollouts
-    from megatron_logra.rl.verifiers import Verifier, VerifierConfig
+    from megatron_logra.rl import prompts_and_scores
+    from megatron_logra.rl.config import VerifierConfig
+    from megatron_logra.rl.verifiers import Verifier
     from megatron_logra.rollout.vllm_server import VllmServer
 
     tokenizer = load_tokenizer(args.model_dir)
-    engine = VllmServer.local(EngineConfig(args.model_dir, max_model_len=257, dtype="float32",
-                                           load_format="auto"),
+    engine = VllmServer.local(ServerSpec(args.model_dir, max_model_len=257, load_format="auto"),
                               Path("runs") / "task_signal_server.log", cuda=False)
     engine.assume_version(0)
     verifier = Verifier(VerifierConfig(reward="partial"))
@@ -44,13 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for task in args.tasks.split(","):
             items = generate_items(((task, 1.0),), args.prompts * 2, seed=7)
-            prompts = rollouts.encode_prompts(items, tokenizer, 256 - args.max_new_tokens)
+            prompts = prompts_and_scores.encode_prompts(items, tokenizer, 256 - args.max_new_tokens)
             prompts = prompts[:args.prompts]
             requests = [SampleRequest(pr.ids, seed=i * args.samples + j,
                                       max_new_tokens=args.max_new_tokens, temperature=1.0)
                         for i, pr in enumerate(prompts) for j in range(args.samples)]
             t0 = time.perf_counter()
-            rewards = rollouts.score(verifier, tokenizer, prompts,
+            rewards = prompts_and_scores.score(verifier, tokenizer, prompts,
                                      engine.generate(requests, 0), args.samples)
             flat = [r for row in rewards for r in row]
             report[task] = {"correct": sum(r >= 1 for r in flat) / len(flat),

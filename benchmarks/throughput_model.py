@@ -19,11 +19,13 @@ from dataclasses import asdict, replace
 
 from _results import save
 
-from megatron_logra.rollout.throughput_model import (PAPER_LAYOUT, PAPER_UPDATES_PER_H,
-                                                     Hardware, Timing, Workload, best,
-                                                     decode_step_s, dense_train_s_1p5b,
-                                                     engine_rollout_s, min_train_gpus,
-                                                     paper_inputs, rollout_s, update_time)
+from megatron_logra.memory.throughput_model import (PAPER_LAYOUT, PAPER_UPDATES_PER_H,
+                                                    Hardware, Timing, Workload, best,
+                                                    decode_step_s, dense_train_s_1p5b,
+                                                    engine_rollout_s, kv_bytes_per_token,
+                                                    matmul_params, min_train_gpus,
+                                                    paper_inputs, rollout_s, update_time,
+                                                    weight_bytes)
 
 MANY = range(2, 9)
 MODES = (  # label, schedule, placement, engine counts allowed
@@ -70,9 +72,10 @@ def setting_report(setting: str) -> dict:
     no_tail = replace(inputs, workload=replace(
         inputs.workload, longest_response_tokens=inputs.workload.mean_response_tokens))
     m = inputs.model
-    return {"inputs": {"model": asdict(m), "params": m.params, "matmul_params": m.matmul_params,
-                       "weight_bytes": m.weight_bytes,
-                       "kv_bytes_per_token": m.kv_bytes_per_token,
+    return {"inputs": {"model": {"name": inputs.name, **asdict(m)},
+                       "params": m.num_parameters, "matmul_params": matmul_params(m),
+                       "weight_bytes": weight_bytes(m),
+                       "kv_bytes_per_token": kv_bytes_per_token(m),
                        "workload": asdict(inputs.workload),
                        "hardware": asdict(inputs.hardware),
                        "efficiency": asdict(inputs.efficiency), "gpus": inputs.gpus,
@@ -145,7 +148,7 @@ def main(argv=None) -> None:
 
 def table(report: dict) -> str:
     """Markdown: every mode's best layout per setting, then the sensitivity of the best."""
-    lines = ["**A model, not a measurement** (`megatron_logra/rollout/throughput_model.py`; "
+    lines = ["**A model, not a measurement** (`megatron_logra/memory/throughput_model.py`; "
              "inputs and sources in `docs/throughput-model.md`). 8 GPUs (H100 80 GB assumed), "
              "128 prompts x 1 response per update, dense Adam; calibrated so that the paper's "
              "layout reproduces the paper's updates/h. Each mode: its best layout. GPUs "

@@ -32,10 +32,11 @@ from pathlib import Path
 
 from _results import mib, save
 
+from megatron_logra.memory.shapes import SHAPES, hf_config
+
 REPO = Path(__file__).resolve().parents[1]
 
-SHAPE = dict(family="llama", hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=4,
-             intermediate_size=2816, vocab_size=32000, tie_word_embeddings=False)
+SHAPE = "llama-160m"  # memory.shapes.SHAPES
 TRANSPORTS = ("sketch-delta", "sparse-delta", "full")
 
 
@@ -55,10 +56,7 @@ def parse(argv=None) -> argparse.Namespace:
 def _engine_dir(root: Path) -> str:
     """The server's folder: the shape's config.json and the packaged tiny tokenizer (no
     rollouts here; the server starts on dummy weights, the first push brings them)."""
-    from megatron_logra.model.tiny_assets import tiny_hf_config
-
-    kw = dict(SHAPE)
-    config = tiny_hf_config(kw.pop("family"), **kw)
+    config = hf_config(SHAPE)
     tokenizer = REPO / "megatron_logra" / "assets" / "tiny-llama"
     folder = root / "engine_init"
     folder.mkdir(parents=True, exist_ok=True)
@@ -74,8 +72,11 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from megatron_logra.weight_sync.config import WeightSyncConfig
-    from megatron_logra.rollout.engine_link import EngineLink
-    from megatron_logra.rollout.types import EngineConfig, Transport
+    from megatron_logra.rl.synced_engines import SyncedEngines
+    from megatron_logra.rollout.engines import RolloutEngines
+    from megatron_logra.rollout.config import EngineConfig
+    from megatron_logra.rollout.types import ServerSpec
+    from megatron_logra.weight_sync.contract import Transport
     from megatron_logra.weight_sync.sync import WeightSync
     from megatron_logra.config import LograConfig, OptimizerConfig
     from megatron_logra.model.arch import load_arch
@@ -103,10 +104,12 @@ def worker(args) -> None:
                       objs.model, arch, torch.bfloat16, optimizer=objs.optimizer,
                       engine_tp=args.engine_tp)
     sync.track_changes()  # sparse deltas: every full push records its base
-    cfg = EngineConfig(folder, max_model_len=128, dtype="bfloat16", kv_cache_gib=0.25,
-                       tensor_parallel_size=args.engine_tp, max_num_seqs=4)
-    link = EngineLink(sync, [cfg] if rt.rank == 0 else None)
-    link.push(0, Transport.FULL)  # start-up: the server on dummy weights, then these
+    cfg = ServerSpec(folder, max_model_len=128, max_num_seqs=4,
+                     engine=EngineConfig(dtype="bfloat16", kv_cache_gib=0.25,
+                                         tensor_parallel_size=args.engine_tp))
+    link = SyncedEngines(RolloutEngines([cfg] if rt.rank == 0 else None), sync)
+    with sync.forcing(Transport.FULL):  # start-up: the server on dummy weights, then these
+        link.push(0)
     rows = []
     try:
         for update in range(args.updates):
@@ -117,7 +120,8 @@ def worker(args) -> None:
                 rows.append(_timed_push(link, version, transport))
                 if rt.rank == 0:
                     print(f"[weight_push] {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
-        bad, failed = link.sync.full.mismatches(link.engine)  # vLLM's checksums (collective)
+        # vLLM's checksums (collective)
+        bad, failed = link.sync.full.mismatches(link.engines.server)
         exact = not failed and bad == []
     finally:
         link.close()
@@ -135,7 +139,8 @@ def _timed_push(link, version: int, transport: str) -> dict:
     before_bytes, before_own = link.stats.bytes, direct.sent_here
     dist.barrier()
     start = time.perf_counter()
-    link.push(version, transport)
+    with link.sync.forcing(transport):
+        link.push(version)
     dist.barrier()
     seconds = time.perf_counter() - start
     if link.sync.stats.last_transport != transport:
@@ -184,8 +189,9 @@ def main(argv=None) -> None:
         runs.append({"engine_tp": engine_tp, "exact": got["exact"],
                      "summary": _summary(got["rows"]), "rows": got["rows"]})
         params = got["params"]
-    report = {"benchmark": "weight_push", "shape": SHAPE, "params": params, "tp": args.tp,
-              "pp": args.pp, "updates": args.updates, "logra_rank": args.rank, "runs": runs}
+    report = {"benchmark": "weight_push", "shape": SHAPES[SHAPE], "params": params,
+              "tp": args.tp, "pp": args.pp, "updates": args.updates, "logra_rank": args.rank,
+              "runs": runs}
     if args.save:
         save(args.save, report, _table(report))
     print(_table(report))

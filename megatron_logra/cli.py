@@ -18,8 +18,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from megatron_logra.config import (CheckpointConfig, DataConfig, LoggingConfig, ModelSource,
-                                   OptimizerConfig, RunConfig, TrainingConfig)
+from megatron_logra.checkpoint.config import CheckpointConfig
+from megatron_logra.config import (DataConfig, LoggingConfig, ModelSource, OptimizerConfig,
+                                   RunConfig, TrainingConfig)
 from megatron_logra.config_file import ConfigFileError, resolve
 from megatron_logra.dry_run.config import DryRunConfig
 from megatron_logra.flags import add_flags, from_flags
@@ -27,9 +28,11 @@ from megatron_logra.kl.config import KLControlConfig
 from megatron_logra.logra.config import LograConfig
 from megatron_logra.lora.config import LoraConfig
 from megatron_logra.model.tiny_assets import EMBEDDED_DEFAULT
-from megatron_logra.rl.config import RLConfig
+from megatron_logra.rl.config import PolicyObjective, RLConfig, StalenessConfig, VerifierConfig
+from megatron_logra.rollout.config import EngineConfig
 from megatron_logra.runtime.parallel import ParallelConfig
 from megatron_logra.weight_sync.config import WeightSyncConfig
+from megatron_logra.weight_sync.contract import needs
 
 # (config class, help group title), in --help order; a class's flags are
 # --{its FLAG_PREFIX}{field-name}
@@ -42,6 +45,10 @@ FLAG_GROUPS = (
     (LoraConfig, "LoRA (--peft lora)"),
     (DataConfig, "data"),
     (RLConfig, "RL (--stage rl): rollouts, rewards, evaluation"),
+    (PolicyObjective, "the policy loss (--stage rl)"),
+    (VerifierConfig, "the verifier (--stage rl)"),
+    (EngineConfig, "the rollout engines (--stage rl)"),
+    (StalenessConfig, "generation beside training (--stage rl)"),
     (WeightSyncConfig, "weight sync to the rollout engine (--stage rl)"),
     (KLControlConfig, "predicted-KL step control (--stage rl)"),
     (CheckpointConfig, "checkpointing"),
@@ -135,13 +142,17 @@ def _configs(args: argparse.Namespace, sources: dict[str, str], world_size: int)
             raise ConfigError(f"--dry-run-ranks: rank {max(dry_run.ranks)} is outside the "
                               f"world of {world_size} (--dry-run-world-size)")
     parallel.validate(world_size)  # first: a launch that does not match is said first
-    rl = from_flags(RLConfig, args, weight_sync=from_flags(WeightSyncConfig, args),
+    rl = from_flags(RLConfig, args, objective=from_flags(PolicyObjective, args),
+                    verifier=from_flags(VerifierConfig, args),
+                    rollout=from_flags(EngineConfig, args),
+                    staleness=from_flags(StalenessConfig, args),
+                    weight_sync=from_flags(WeightSyncConfig, args),
                     kl=from_flags(KLControlConfig, args))
     training = from_flags(TrainingConfig, args)
     optimizer = from_flags(OptimizerConfig, args, lora=from_flags(LoraConfig, args),
                            logra=from_flags(LograConfig, args, keep_updates=(
                                training.stage == "rl"
-                               and rl.weight_sync.transport == "sketch-delta")))
+                               and needs(rl.weight_sync.transport).keeps_logra_updates)))
     checkpoint = from_flags(CheckpointConfig, args)
     if training.stage == "rl":
         training = replace(training,

@@ -2,7 +2,8 @@
 
 Each component owns its config dataclass (``logra.config.LograConfig``,
 ``lora.config.LoraConfig``, ``rl.config.RLConfig``, ``kl.config.KLControlConfig``,
-``weight_sync.config.WeightSyncConfig``, ``runtime.parallel.ParallelConfig``); this module
+``weight_sync.config.WeightSyncConfig``, ``rollout.config.EngineConfig``,
+``checkpoint.config.CheckpointConfig``, ``runtime.parallel.ParallelConfig``); this module
 holds the trainer's own and composes them into ``RunConfig``. A field is its flag: its
 default, its meaning (the string under it) and its checks build the command line
 (``flags``). Each component receives only its own slice; nothing below the launcher
@@ -30,6 +31,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from megatron_logra.checkpoint.config import CheckpointConfig
 from megatron_logra.dry_run.config import DryRunConfig
 from megatron_logra.flags import check_fields, flag_spec
 from megatron_logra.kl.config import KLControlConfig  # noqa: F401 - the run's sub-configs
@@ -37,6 +39,7 @@ from megatron_logra.logra.config import LograConfig
 from megatron_logra.lora.config import LoraConfig
 from megatron_logra.rl.config import RLConfig
 from megatron_logra.runtime.parallel import ParallelConfig
+from megatron_logra.weight_sync.contract import check_run
 
 _POSITIVE = flag_spec(minimum=1)
 
@@ -138,6 +141,17 @@ class TrainingConfig:
     """Stop the run after this many updates in a row were skipped for a non-finite loss,
     sketch or gradient (each skip leaves weights and optimizer state untouched; 0: never
     stop)."""
+    distributed_timeout_minutes: int = field(default=60, metadata=_POSITIVE)
+    """How long a collective of the default process group waits for the other ranks
+    (Megatron-LM's flag): the others wait this long while rank 0 alone starts a rollout
+    engine or generates an evaluation. The default is above the engine's own bounds (a
+    start 10 min, one request 30 min), so those fire first; raise it where one phase on
+    rank 0 takes longer."""
+    log_adam_cosine: bool = False
+    """RL: log, every update, the cosine between the update applied to the layers' linear
+    weights and the step dense Adam would take from the same gradients (a shadow Adam;
+    training/adam_cosine.py). A diagnostic for method comparisons: it costs a dense weight
+    gradient and four fp32 copies of those weights."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -157,35 +171,6 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    save: str | None = None
-    """Checkpoint directory."""
-    save_interval: int = field(default=0, metadata=flag_spec(minimum=0))
-    """Updates between checkpoints (0: only at the end)."""
-    save_keep: int | None = field(default=None, metadata=flag_spec(minimum=0,
-                                                                   zero_is_none=True))
-    """Keep only the newest N checkpoints in --save (0: keep all); the one 'latest'
-    selects is never deleted."""
-    auto_resume: bool = False
-    """Resume from the newest checkpoint in --save that verifies, when there is one,
-    instead of --load (always on when torchrun restarts the job: --max-restarts); a
-    damaged newest checkpoint is passed over, and said so."""
-    load: str | None = None
-    """Checkpoint directory (or one iter_* folder in it) to resume from, or an HF model
-    folder / converted checkpoint to start from (weights only)."""
-    load_format: Literal["megatron", "hf"] = field(default="megatron",
-                                                   metadata=flag_spec(cli=False))
-    """megatron (a checkpoint folder) | hf (an HF model folder): what --load names."""
-    finetune: bool = False
-    """With --load: take the weights only (fresh optimizer, step 0)."""
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-        if self.finetune and not self.load:
-            raise ValueError("--finetune needs --load")
 
 
 @dataclass(frozen=True)
@@ -236,6 +221,11 @@ class RunConfig:
             _check_sft(self)
         _check_optimizer(self.optimizer, self.training)
 
+    @property
+    def data_seed(self) -> int:
+        """The seed of task generation and sample order: --data-seed, default --seed."""
+        return self.data.data_seed if self.data.data_seed is not None else self.training.seed
+
     def check_world_size(self, world_size: int) -> None:
         """Refuse (ValueError) a world size this run's layout or batches do not split over."""
         dp = self.parallel.data_parallel_size(world_size)
@@ -283,6 +273,10 @@ def _check_optimizer(opt: OptimizerConfig, training: TrainingConfig) -> None:
 def _check_sft(cfg: RunConfig) -> None:
     from megatron_logra.data.tasks import MATH
 
+    if cfg.training.log_adam_cosine:
+        raise ValueError("--log-adam-cosine is an RL diagnostic (it compares each RL update "
+                         "with dense Adam's); drop it for --stage sft")
+
     if any(name == MATH for name, _ in cfg.data.tasks):
         raise ValueError(f"--task: {MATH!r} has no SFT targets here; SFT takes reasoning-gym "
                          "tasks (use it with --stage rl)")
@@ -291,12 +285,9 @@ def _check_sft(cfg: RunConfig) -> None:
 def _check_rl(cfg: RunConfig) -> None:
     """``--stage rl`` against the optimizer, precision, layers and sequence length."""
     rl, opt, training = cfg.rl, cfg.optimizer, cfg.training
-    transport = rl.weight_sync.transport
-    if transport == "sketch-delta":
-        _check_sketch_delta(cfg)
-    if transport == "lora-adapter" and opt.peft != "lora":
-        raise ValueError("--weight-sync lora-adapter sends a LoRA adapter to vLLM: it needs "
-                         "--peft lora (use --weight-sync full otherwise)")
+    check_run(rl.weight_sync.transport, optimizer=opt.name, peft=opt.peft, bf16=training.bf16,
+              master_weights=opt.logra.master_weights, rollout_dtype=rl.rollout.dtype,
+              projection=opt.logra.projection)
     if training.seq_length < rl.max_new_tokens + 8:
         raise ValueError(f"--seq-length {training.seq_length} leaves no room for prompts with "
                          f"--max-new-tokens {rl.max_new_tokens}; raise --seq-length")
@@ -312,25 +303,3 @@ def _check_rl(cfg: RunConfig) -> None:
                          "only; use --transformer-impl local (or auto, which builds local "
                          "under predicted-KL control)")
 
-
-def _check_sketch_delta(cfg: RunConfig) -> None:
-    """sketch-delta keeps the engine bit-identical to the trainer only when both apply the
-    same bf16 update with the same rounding bits; anything else drifts (every fingerprint
-    fails, or silently without verification), so it is refused before any work."""
-    opt = cfg.optimizer
-    if opt.name != "logra":
-        raise ValueError("--weight-sync sketch-delta sends LoGRA's low-rank updates: it needs "
-                         "--optimizer logra (use --weight-sync full with Adam)")
-    inexact = [flag for flag, bad in (
-        ("--bf16 (the trainer's weights are fp32)", not cfg.training.bf16),
-        ("--logra-master-weights none (an fp32 master rounds differently from the engine)",
-         opt.logra.master_weights != "none"),
-        ("--rollout-dtype bfloat16 (an fp32 engine cannot hold the trainer's bf16 result)",
-         cfg.rl.rollout_dtype != "bfloat16"),
-        ("--logra-projection rademacher (Gaussian entries are not exact in fp64 products)",
-         opt.logra.projection != "rademacher")) if bad]
-    if inexact:
-        raise ValueError("--weight-sync sketch-delta keeps the engine bit-exact only with "
-                         "--bf16 --logra-master-weights none --rollout-dtype bfloat16 and "
-                         "Rademacher projections; missing: " + "; ".join(inexact) +
-                         ". Add them, or use --weight-sync sparse-delta or full")

@@ -11,4 +11,8 @@
   converters go through.
 - ``load``: ``open_checkpoint``, ``load_checkpoint``, ``load_model_weights``,
   ``find_resume_checkpoint``.
+- ``config``: ``CheckpointConfig``, the ``--save*``/``--load`` settings.
+- ``manager``: ``CheckpointManager``, training's checkpoint rules: the resumable parts,
+  the meta, cadence, keep-k and which checkpoint a run starts from (the loop says
+  ``save``, ``training.prepare`` says ``load``).
 """

@@ -22,7 +22,7 @@ from megatron_logra.checkpoint.sharded_state import (load_state_checked,
                                                      training_state_dict,
                                                      without_missing_added_params)
 from megatron_logra.runtime.collectives import every_rank, rank_and_world
-from megatron_logra.training.megatron_optimizer import materialize_adam_state, torch_optimizers
+from megatron_logra.runtime.megatron_optimizer import materialize_adam_state, torch_optimizers
 
 
 def damaged_files(ckpt: Path) -> list[str]:

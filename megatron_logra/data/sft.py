@@ -120,11 +120,6 @@ class SFTBatches:
                         length, self.pad_id)
                 for j in range(0, per_rank, self.micro_batch_size)]
 
-    def tokens_in_step(self, step: int) -> int:
-        """Loss tokens of the global batch (for metrics)."""
-        return sum(answer_tokens(self.samples[i], self.seq_length)
-                   for i in self.global_indices(step))
-
 
 def answer_tokens(sample: EncodedSample, seq_length: int) -> int:
     """Loss tokens ``sample`` keeps at ``seq_length`` (``collate``'s loss mask)."""

@@ -21,10 +21,20 @@ def rl_samples(cfg: RunConfig) -> list[RolloutSample]:
             for _ in range(rl.prompts_per_step * rl.responses_per_prompt)]
 
 
-def sft_microbatches(cfg: RunConfig, vocab_size: int, dp_size: int) -> list[dict]:
-    from megatron_logra.testing.batches import random_microbatches
+def sft_microbatches(cfg: RunConfig, dp_size: int) -> list[dict]:
+    """This rank's microbatches of one SFT step, as ``data`` makes them: tokens,
+    position_ids, attention_mask (``model.logits.causal_inputs``), labels [mbs, seq] and
+    an fp32 loss_mask [mbs, seq] of ones."""
+    import torch
+
+    from megatron_logra.model.logits import causal_inputs
 
     t = cfg.training
-    return random_microbatches(vocab_size, count=t.global_batch_size // (dp_size
-                                                                         * t.micro_batch_size),
-                               batch=t.micro_batch_size, seq=t.seq_length, seed=0)
+    out = []
+    for _ in range(t.global_batch_size // (dp_size * t.micro_batch_size)):
+        tokens = torch.zeros(t.micro_batch_size, t.seq_length, dtype=torch.long)
+        mb = causal_inputs(tokens)
+        mb["labels"] = tokens
+        mb["loss_mask"] = torch.ones(t.micro_batch_size, t.seq_length)
+        out.append(mb)
+    return out

@@ -30,7 +30,6 @@ only kind megatron-core reads in an update: a token count > 0, a norm) and liste
 from __future__ import annotations
 
 import os
-import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -41,11 +40,9 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from megatron_logra.dry_run.call_sites import call_site
 from megatron_logra.dry_run.world import real_backends
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # megatron_logra/
-_HERE = os.path.dirname(os.path.abspath(__file__))  # megatron_logra/dry_run/
-_HOST_READ = os.path.join(_PACKAGE, "runtime", "host_read.py")
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _COALESCED = {getattr(torch.ops.c10d, name).default for name in (
     "allreduce_coalesced_", "allgather_coalesced_", "allgather_into_tensor_coalesced_",
@@ -63,43 +60,6 @@ class CollectiveMismatch(RuntimeError):
 
 class UnansweredHostRead(RuntimeError):
     """The package read a device value without ``runtime.host_read.host_value``."""
-
-
-def is_machinery(path: str) -> bool:
-    """Whether a frame's file is torch's or the dry run's own (never a call site)."""
-    path = os.path.abspath(path)
-    return (path.startswith(_HERE) or path == _HOST_READ
-            or f"{os.sep}torch{os.sep}" in path)
-
-
-def call_site() -> str:
-    """"path:line function" of the innermost frame of the current stack outside torch, the
-    dry run and ``runtime.host_read`` (paths relative to the package's parent or to
-    site-packages)."""
-    for frame in reversed(traceback.extract_stack()[:-1]):
-        if not is_machinery(frame.filename):
-            return f"{short_path(frame.filename)}:{frame.lineno} {frame.name}"
-    return "?"
-
-
-def call_stack(depth: int = 16) -> list[str]:
-    """The ``depth`` innermost frames of the current stack outside torch and the dry run,
-    innermost first ("path:line function")."""
-    out = []
-    for frame in reversed(traceback.extract_stack()[:-1]):
-        if not is_machinery(frame.filename):
-            out.append(f"{short_path(frame.filename)}:{frame.lineno} {frame.name}")
-            if len(out) == depth:
-                break
-    return out
-
-
-def short_path(path: str) -> str:
-    path = os.path.abspath(path)
-    for root in ("site-packages" + os.sep, os.path.dirname(_PACKAGE)):
-        if root in path:
-            return path.split(root, 1)[1].lstrip(os.sep)
-    return path
 
 
 def _in_package(site: str) -> bool:

@@ -25,7 +25,7 @@ import torch
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _RefType
 from torch.utils._pytree import tree_leaves
 
-from megatron_logra.dry_run.checks import call_stack
+from megatron_logra.dry_run.call_sites import call_stack
 from megatron_logra.memory.held_state import optimizer_tensors
 
 

@@ -25,13 +25,13 @@ from pathlib import Path
 from megatron_logra.config import RunConfig
 
 GIB = 2**30
-USABLE = 0.9  # of a GPU's memory (the memory plan's rule: memory.projection)
-ENGINE_ASLEEP_BYTES = GIB  # what a sleeping vLLM engine keeps (memory.projection's assumption)
+USABLE = 0.9  # of a GPU's memory (the memory plan's rule: memory.forecast)
+ENGINE_ASLEEP_BYTES = GIB  # what a sleeping vLLM engine keeps (memory.forecast's assumption)
 
 
 def global_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
     """megatron-core's numbering (TP fastest, then DP, then PP; ``dry_run.world`` checks
-    it against the groups it builds through ``weight_sync.full_weights.plan_push``)."""
+    it against the groups it builds through ``weight_sync.gathered_weights.plan_push``)."""
     return tp_rank + tp * (dp_rank + dp * pp_rank)
 
 

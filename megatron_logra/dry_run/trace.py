@@ -31,16 +31,16 @@ import torch
 
 from megatron_logra.config import RunConfig
 from megatron_logra.dry_run.batch import rl_samples, sft_microbatches
-from megatron_logra.dry_run.checks import TraceChecks, call_site, is_machinery, short_path
+from megatron_logra.dry_run.call_sites import call_site, is_machinery, short_path
+from megatron_logra.dry_run.checks import TraceChecks
 from megatron_logra.dry_run.fake_cuda import fake_cuda
 from megatron_logra.dry_run.memory import Category, UpdateMemory
 from megatron_logra.dry_run.world import fake_world, object_collectives
 from megatron_logra.memory.held_state import model_state_bytes
-from megatron_logra.training.megatron_optimizer import materialize_adam_state
 from megatron_logra.runtime.host_read import answered_by
+from megatron_logra.runtime.megatron_optimizer import materialize_adam_state
 
 GIB = 2**30
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def trace_rank(cfg: RunConfig, rank: int, world_size: int, gpus_per_node: int = 8) -> dict:
@@ -114,8 +114,7 @@ def _update(cfg: RunConfig, objs, arch) -> None:
         return
     from megatron_logra.training.step import train_step
 
-    microbatches = sft_microbatches(cfg, arch.vocab_size,
-                                    parallel_state.get_data_parallel_world_size())
+    microbatches = sft_microbatches(cfg, parallel_state.get_data_parallel_world_size())
     train_step(objs, microbatches, seq_length=cfg.training.seq_length,
                micro_batch_size=cfg.training.micro_batch_size, update=1)
 
@@ -123,41 +122,43 @@ def _update(cfg: RunConfig, objs, arch) -> None:
 def _placement(cfg: RunConfig, world_size: int, gpus_per_node: int):
     from megatron_logra.rollout.placement import plan_placement
 
-    rl = cfg.rl
-    return plan_placement(rl.rollout_placement, rl.rollout_devices,
-                          engine_tp=rl.rollout_tensor_parallel_size, cuda=True,
+    engine = cfg.rl.rollout
+    return plan_placement(engine.placement, engine.devices,
+                          engine_tp=engine.tensor_parallel_size, cuda=True,
                           node_devices=list(range(gpus_per_node)),
                           local_world_size=min(world_size, gpus_per_node),
-                          remote_engine=bool(rl.rollout_engine_url),
-                          replicas=rl.rollout_replicas)
+                          remote_engine=bool(engine.engine_url), replicas=engine.replicas)
 
 
 def _first_push(cfg: RunConfig, objs, arch, world_size: int, gpus_per_node: int) -> dict:
     """The first push's messages from this rank (``weight_sync.channel``'s full rounds:
     a bucket of parameters per round, one message per engine worker), each packed and
     dropped in turn as the real push sends and frees them."""
-    from megatron_logra.rollout.types import Transport
+    from megatron_logra.rl.synced_engines import ENGINE_DTYPES
+    from megatron_logra.weight_sync.contract import needs
     from megatron_logra.weight_sync.transport import TrainerWeights
 
     rl = cfg.rl
     placement = _placement(cfg, world_size, gpus_per_node)
-    weights = TrainerWeights(objs.model, arch, _DTYPES[rl.rollout_dtype],
-                             rl.weight_sync.bucket_mb * 2**20, rl.rollout_tensor_parallel_size,
-                             merged=rl.weight_sync.transport != Transport.LORA_ADAPTER,
+    weights = TrainerWeights(objs.model, arch, ENGINE_DTYPES[rl.rollout.dtype],
+                             rl.weight_sync.bucket_mb * 2**20, rl.rollout.tensor_parallel_size,
+                             merged=not needs(rl.weight_sync.transport).engine_serves_adapter,
                              group_backend="gloo" if placement.shares_trainer_gpus else None)
     channel = weights.direct
+    # where the messages live (weight_sync.p2p.message_device of the group the push joins)
+    device = channel.device if channel.backend == "nccl" else torch.device("cpu")
     per_worker = [0] * channel.engine_tp
     rounds = channel._buckets(None)
     for names in rounds:
         for worker, box in enumerate(channel._blocks_round(names, record=False)):
             if box.empty:
                 continue
-            _, tensors = box.pack(channel.dtype, channel.message_device)
+            _, tensors = box.pack(channel.dtype, device)
             per_worker[worker] += sum(t.numel() * t.element_size() for t in tensors)
             del tensors
     return {"placement": placement.mode, "colocated": placement.shares_trainer_gpus,
             "sleep_mode": placement.sleep_mode,
-            "group_backend": channel.backend, "message_device": str(channel.message_device),
+            "group_backend": channel.backend, "message_device": str(device),
             "rounds": len(rounds), "bytes": sum(per_worker), "bytes_per_worker": per_worker,
             "parameters_sent": len(channel.shards)}
 
@@ -168,13 +169,13 @@ def _engine_share(cfg: RunConfig, arch, push: dict) -> dict:
     replicas); those are the trainer's when it shares them (``colocated``)."""
     from megatron_logra.rollout.engine_memory import engine_bytes
 
-    rl = cfg.rl
-    kv = int(rl.rollout_kv_cache_gib * GIB) if rl.rollout_kv_cache_gib else 0
-    total = engine_bytes(arch.num_parameters, rl.rollout_tensor_parallel_size,
-                         2 if rl.rollout_dtype == "bfloat16" else 4, kv)
+    engine = cfg.rl.rollout
+    kv = int(engine.kv_cache_gib * GIB) if engine.kv_cache_gib else 0
+    total = engine_bytes(arch.num_parameters, engine.tensor_parallel_size,
+                         2 if engine.dtype == "bfloat16" else 4, kv)
     return {"colocated": push["colocated"], "sleep_mode": push["sleep_mode"],
-            "engine_tp": rl.rollout_tensor_parallel_size,
-            "gpus": rl.rollout_tensor_parallel_size * rl.rollout_replicas,
+            "engine_tp": engine.tensor_parallel_size,
+            "gpus": engine.tensor_parallel_size * engine.replicas,
             "kv_cache_bytes": kv, "bytes_per_gpu": total}
 
 

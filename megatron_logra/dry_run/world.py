@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_logra.dry_run.call_sites import call_site
 from megatron_logra.runtime.device import Runtime, adopt_runtime, collective_backend
 from megatron_logra.runtime.parallel import ParallelConfig
 
@@ -138,8 +139,6 @@ object_collectives: list[dict] = []  # what the world answered: {"call", "site"}
 
 
 def _note(call: str) -> None:
-    from megatron_logra.dry_run.checks import call_site
-
     object_collectives.append({"call": call, "site": call_site()})
 
 
@@ -157,8 +156,6 @@ def _gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst
 def _broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
     source = src if src is not None else dist.get_global_rank(group, group_src or 0)
     if source != dist.get_rank():
-        from megatron_logra.dry_run.checks import call_site
-
         raise RuntimeError(f"{call_site()}: broadcast_object_list from rank {source}: the "
                            f"dry run traces one rank and has not rank {source}'s objects")
     _note("broadcast_object_list from this rank")

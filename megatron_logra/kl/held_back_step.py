@@ -2,7 +2,7 @@
 
 Not a patch: no megatron function is replaced or changed. The optimizer internals it
 needs (sub-optimizers, main params, their fp32 copies, the main -> model copy and the DP
-all-gather) are read through ``training.megatron_optimizer``, the one module tied to
+all-gather) are read through ``runtime.megatron_optimizer``, the one module tied to
 their layout; ``HeldBackStep`` refuses another megatron-core version
 (``runtime.versions``, as the patches do).
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from megatron_logra.runtime import versions
-from megatron_logra.training.megatron_optimizer import (copy_main_to_model, data_parallel_group,
+from megatron_logra.runtime.megatron_optimizer import (copy_main_to_model, data_parallel_group,
                                                         fp32_copies, gather_model_params,
                                                         main_params, sub_optimizers)
 

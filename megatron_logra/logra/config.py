@@ -93,7 +93,7 @@ class LograConfig:
     def check_fits(self, num_kv_heads: int, tensor_parallel_size: int) -> None:
         """Refuse (ValueError) targets the layout cannot sketch: qkv needs TP <= the model's
         kv heads. Asked where the architecture is known: the CLI, once it has read the
-        model's config.json, and ``memory.projection.cli_accepts``."""
+        model's config.json, and ``memory.forecast.cli_accepts``."""
         tp = tensor_parallel_size
         if "qkv" in self.targets and num_kv_heads < tp:
             raise ValueError(f"LoGRA cannot sketch linear_qkv when num_key_value_heads "

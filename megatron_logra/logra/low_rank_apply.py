@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron_logra.logra.projection import projection_block
-from megatron_logra.logra.rounding import stochastic_round_bits_
+from megatron_logra.logra.rounding import rounded_to_bf16_, stochastic_round_bits_
 from megatron_logra.logra.row_adam import DEFAULT_CHUNK_ROWS, apply_low_rank_update
 
 
@@ -30,8 +30,9 @@ def apply_bf16_update(weight: torch.Tensor, d: torch.Tensor, coefficient: float,
         projection = projection_block(seed, rank, (col_offset, col_offset + weight.shape[1]),
                                       kind=kind, device=weight.device)
 
-    def round_fn(new: torch.Tensor, r0: int) -> torch.Tensor:
-        return stochastic_round_bits_(new, seed, global_rows[r0:r0 + new.shape[0]], col_offset)
+    def round_fn(new: torch.Tensor, r0: int) -> torch.Tensor:  # bf16 bits, no float cast
+        rows = global_rows[r0:r0 + new.shape[0]]
+        return rounded_to_bf16_(stochastic_round_bits_(new, seed, rows, col_offset))
 
     apply_low_rank_update(weight, d, projection, coefficient, chunk_rows=chunk_rows,
                           round_fn=round_fn)

@@ -5,6 +5,12 @@ global column j), so two processes holding the same bf16 weights and the same
 fp32 values of W - c D A round them to bit-identical bf16 weights, whatever
 their tensor-parallel layout or device. Rounding is unbiased:
 E[round(x)] = x for every finite x (the magnitude's low 16 bits decide).
+
+No float conversion decides a bit: the rounded fp32 values have their low 16 bits
+zero, and their bf16 is their high 16 bits, taken by an integer shift
+(``rounded_to_bf16_``). torch's own fp32 -> bf16 cast encodes a NaN differently by
+device (0xFFFF on this x86 CPU, vectorized or not; a positive canonical NaN on CUDA),
+so every NaN is first made ``CANONICAL_NAN`` here, on every device.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ import torch
 
 from megatron_logra.logra.projection import MASK32, as_int32, hash32
 from megatron_logra.runtime.host_read import host_value
+
+CANONICAL_NAN = 0x7FC00000
+"""The fp32 bits every NaN is rounded to (bf16 0x7FC0: positive, quiet, no payload)."""
 
 
 def rounding_noise(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -59,15 +68,17 @@ def stochastic_round_bf16(values: torch.Tensor, seed: int, rows: torch.Tensor,
     In int32: the noise (< 2^16) is added to the fp32 bit pattern and the low 16 bits are
     cut. For a negative value the two's-complement add is the same bit pattern as adding
     to its magnitude, so both signs round away from zero with probability equal to the
-    cut fraction (unbiased); non-finite values are only truncated."""
-    return stochastic_round_bits_(values.clone(), seed, rows, col0).to(torch.bfloat16)
+    cut fraction (unbiased); infinities are kept, every NaN becomes ``CANONICAL_NAN``. The
+    bf16 result is the rounded bits' high half (``rounded_to_bf16_``): the same bits on
+    every device."""
+    return rounded_to_bf16_(stochastic_round_bits_(values.clone(), seed, rows, col0))
 
 
 def stochastic_round_bits_(values: torch.Tensor, seed: int, rows: torch.Tensor,
                            col0: int) -> torch.Tensor:
     """``stochastic_round_bf16`` in place on contiguous fp32 ``values``, which are left
-    holding the rounded bf16 values in fp32 (low 16 bits zero: a bf16 copy of them is
-    exact, e.g. straight into the weight). Returns ``values``."""
+    holding the rounded bf16 values in fp32 (low 16 bits zero; ``rounded_to_bf16_`` makes
+    them bf16 without a float conversion). Returns ``values``."""
     if values.dtype != torch.float32 or values.dim() != 2 or rows.shape != values.shape[:1] \
             or not values.is_contiguous():
         raise ValueError(f"want a contiguous 2-D fp32 tensor and one row index per row, got "
@@ -80,7 +91,21 @@ def stochastic_round_bits_(values: torch.Tensor, seed: int, rows: torch.Tensor,
     low, high = torch.aminmax(values)  # one read; NaN propagates into both
     if host_value(torch.isfinite(low) & torch.isfinite(high), assume=True):
         bits.add_(noise).bitwise_and_(keep_high)
-    else:  # non-finite: truncate only (adding noise could wrap a NaN's bits into a number)
-        bits.copy_(torch.where(torch.isfinite(values), (bits + noise) & keep_high,
-                               bits & keep_high))
+    else:  # non-finite: infinities truncated (exact), NaNs canonical (adding noise could
+        # wrap a NaN's bits into a number; truncating one could make it an infinity)
+        finite = torch.isfinite(values)
+        nan = torch.isnan(values)
+        rounded = torch.where(finite, (bits + noise) & keep_high, bits & keep_high)
+        bits.copy_(rounded.masked_fill_(nan, CANONICAL_NAN))
     return values
+
+
+def rounded_to_bf16_(values: torch.Tensor) -> torch.Tensor:
+    """fp32 ``values`` whose low 16 bits are zero (``stochastic_round_bits_``'s) -> the bf16
+    tensor of their high 16 bits, by an arithmetic shift in int32 (exact: nothing is cut;
+    no float conversion, so the bits are the same on every device, NaNs included).
+    Consumes ``values`` (their bits are shifted in place)."""
+    if values.dtype != torch.float32:
+        raise ValueError(f"rounded_to_bf16_ takes fp32 values, got {values.dtype}")
+    return values.view(torch.int32).bitwise_right_shift_(16).to(torch.int16).view(torch.bfloat16)
+

@@ -57,12 +57,6 @@ def row_denominator(rho: torch.Tensor, mean_rho: float | torch.Tensor,
     return torch.where(denom > 0, denom, torch.ones_like(denom))
 
 
-def direction_(sketch: torch.Tensor, rho: torch.Tensor, mean_rho: float | torch.Tensor,
-               eps: float) -> torch.Tensor:
-    """In place: an fp32 sketch [out, r] becomes D (as ``direction``); returns it."""
-    return sketch.div_(row_denominator(rho, mean_rho, eps)[:, None])
-
-
 def module_sums(values: torch.Tensor, modules: torch.Tensor, num_modules: int) -> torch.Tensor:
     """Per-module sums [num_modules] (fp64) of per-row ``values`` [rows]; ``modules`` [rows]
     (int64) is each row's module index."""

@@ -26,7 +26,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> dict[int, int]:
 
 def optimizer_tensors(megatron_opt) -> Iterator[torch.Tensor]:
     """Every tensor a megatron optimizer holds: inner torch state and its fp32 main params."""
-    from megatron_logra.training.megatron_optimizer import (fp32_main_copies, sub_optimizers,
+    from megatron_logra.runtime.megatron_optimizer import (fp32_main_copies, sub_optimizers,
                                                             torch_optimizers)
 
     for inner in torch_optimizers(megatron_opt):

@@ -34,15 +34,14 @@ def model_of(shape: str):
 
     warnings.filterwarnings("ignore")
     os.environ.setdefault("MEGATRON_LOGRA_DEVICE", "cpu")
-    from megatron_logra.memory.shapes import hf_config
-    from megatron_logra.model.arch import arch_from_hf_config
+    from megatron_logra.memory.shapes import shape_arch
     from megatron_logra.model.provider import ModelBuildConfig, build_meta_model
     from megatron_logra.runtime.device import init_runtime
     from megatron_logra.runtime.parallel import ParallelConfig, initialize
 
     init_runtime()
     initialize(ParallelConfig(), 1, seed=0)
-    arch = arch_from_hf_config(hf_config(shape))
+    arch = shape_arch(shape)
     model = build_meta_model(arch, ModelBuildConfig(bf16=True, use_transformer_engine=False))
     params = []
     for name, p in model.named_parameters():

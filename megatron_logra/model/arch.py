@@ -74,10 +74,6 @@ class ModelArch:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict) -> "ModelArch":
-        return cls(**data)
-
     def check_parallel(self, tp: int, pp: int) -> None:
         """Refuse a TP/PP layout this model cannot be split into."""
         problems = []

@@ -56,25 +56,6 @@ def megatron_param_names(arch: ModelArch) -> list[str]:
     return names
 
 
-def hf_param_names(arch: ModelArch) -> list[str]:
-    """Every HF tensor name the model needs (the completeness check of a checkpoint)."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + s for s in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                                  "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                  "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-                                  "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                                  "mlp.down_proj.weight")]
-        if arch.qkv_bias:
-            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-        if arch.qk_norm:
-            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-    if not arch.tie_word_embeddings:
-        names.append("lm_head.weight")
-    return names
-
-
 def interleave_qkv(arch: ModelArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """[np*hn, ...], [ng*hn, ...], [ng*hn, ...] -> megatron fused [ng*(np/ng+2)*hn, ...]."""
     ng, hn = arch.num_kv_heads, arch.head_dim

@@ -160,25 +160,6 @@ def write_tiny_model_dir(out_dir: str | Path, family: str = "llama", **arch) -> 
     return out
 
 
-def write_tiny_hf_checkpoint(out_dir: str | Path, family: str = "llama", *, seed: int = 0,
-                             **arch) -> Path:
-    """A complete HF folder (weights saved by transformers' ``save_pretrained``) of a tiny
-    random-init model; norms and biases perturbed so their mapping matters in parity checks."""
-    import torch
-    import transformers
-
-    out = write_tiny_model_dir(out_dir, family, **arch)
-    config = transformers.AutoConfig.from_pretrained(out)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(out)
-    return out
-
-
 if __name__ == "__main__":
     target = Path(sys.argv[1]) if len(sys.argv) > 1 else EMBEDDED_DEFAULT
     print(f"wrote {write_tiny_model_dir(target)}")

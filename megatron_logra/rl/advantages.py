@@ -1,7 +1,7 @@
-"""Advantages, importance weights and the policy-gradient loss: pure tensor math.
+"""Advantages: GRPO's group-normalised rewards, REINFORCE's outcomes and its running
+baseline; pure tensor math (the loss they weight: ``rl.objective``).
 
-Shapes: P prompts x G responses per prompt; B = P * G responses; T response tokens
-(padded). ``mask`` [B, T] is 1 on generated tokens.
+Shapes: P prompts x G responses per prompt; rewards [P, G].
 """
 
 from __future__ import annotations
@@ -53,31 +53,3 @@ class RunningBaseline:
     def load_state_dict(self, state: dict) -> None:
         # checkpoints of the earlier baseline hold None before their first batch
         self.decay, self.value = float(state["decay"]), float(state["value"] or 0.0)
-
-
-def truncated_importance_weights(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                                 cap: float) -> torch.Tensor:
-    """TIS: min(pi_train / pi_rollout, cap) per token [B, T], no gradient (it corrects the
-    rollout engine's numerics, not the policy)."""
-    if cap <= 0:
-        raise ValueError(f"importance-sampling cap must be > 0, got {cap}")
-    return torch.exp(train_logprobs.detach() - rollout_logprobs).clamp(max=cap)
-
-
-def policy_gradient_loss_sum(logprobs: torch.Tensor, advantages: torch.Tensor,
-                             mask: torch.Tensor, weights: torch.Tensor | None = None
-                             ) -> torch.Tensor:
-    """sum over generated tokens of -w A log pi: logprobs [B, T] (with grad), advantages [B],
-    mask [B, T], weights [B, T] or None. Token-level normalisation divides this by the
-    number of generated tokens of the whole global batch (the caller's ``num_tokens``)."""
-    per_token = -advantages[:, None] * logprobs * mask
-    if weights is not None:
-        per_token = per_token * weights
-    return per_token.sum()
-
-
-def logprob_mismatch(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                     mask: torch.Tensor) -> float:
-    """Mean |log pi_train - log pi_rollout| over generated tokens."""
-    n = mask.sum()
-    return float(((train_logprobs - rollout_logprobs).abs() * mask).sum() / n.clamp(min=1))

@@ -1,21 +1,27 @@
 """The RL stage's settings (``--stage rl``): rollouts, rewards, advantages, evaluation.
 
-No torch, no megatron. Weight sync (``weight_sync.config``) and predicted-KL control
-(``kl.config``) own their settings; ``RLConfig`` holds them as its ``weight_sync`` and
-``kl`` (each named as its flags begin: ``--weight-sync-*``, ``--kl-*``). Each checks
-itself when built (``__post_init__``); the rules that need another slice of the run
-(optimizer, batch, layout) are ``config.RunConfig``'s.
+No torch, no megatron. ``RLConfig`` holds the sampling, advantage, evaluation and PPO
+settings, and the slices each part of the stage takes as they are: ``objective``
+(``PolicyObjective``: the loss, ``rl.objective``), ``verifier`` (``VerifierConfig``:
+``rl.verifiers``), ``rollout`` (``rollout.config.EngineConfig``: ``--rollout-*``, the
+engines), ``staleness`` (``StalenessConfig``: ``--async-rollouts`` and its bounds,
+``rl.staleness``), ``weight_sync`` (``weight_sync.config``: ``--weight-sync-*``) and
+``kl`` (``kl.config``: ``--kl-*``). Each checks itself when built (``__post_init__``);
+``RLConfig`` checks the rules across them, and the rules that need another slice of the
+run (optimizer, batch, layout) are ``config.RunConfig``'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from megatron_logra.flags import check_fields, flag_spec
 from megatron_logra.kl.config import KLControlConfig
-from megatron_logra.rollout.placement import check_placement_flags
+from megatron_logra.rollout.config import EngineConfig
+from megatron_logra.runtime.sandbox import SandboxLimits
 from megatron_logra.weight_sync.config import WeightSyncConfig
+from megatron_logra.weight_sync.contract import check_engines, check_steps_per_push
 
 _POSITIVE = flag_spec(minimum=1)
 
@@ -25,59 +31,11 @@ LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
 
 @dataclass(frozen=True)
 class PolicyObjective:
-    """What the policy loss is (``rl.objective``); ``RLConfig.policy_objective()`` builds it."""
+    """The policy loss (``rl.objective``): the engine correction, the PPO/GSPO ratio and its
+    clipping, how token terms become the loss."""
 
-    tis_cap: float | None = 2.0  # None: no engine correction
-    clip_low: float | None = None  # eps_low; None: no ratio clipping
-    clip_high: float | None = None  # eps_high; None: eps_low
-    ratio_level: Literal["token", "sequence"] = "token"
-    loss_agg_mode: LossAggMode = "token-mean"
-    max_new_tokens: int = 1  # seq-mean-token-sum-norm's constant
-
-
-@dataclass(frozen=True)
-class RLConfig:
-    """The RL stage (``--stage rl``): rollouts, rewards, advantages, evaluation."""
-
-    algorithm: Literal["grpo", "reinforce"] = "grpo"
-    """Group-normalised advantages, or REINFORCE with a running baseline."""
-    prompts_per_step: int = field(default=8, metadata=_POSITIVE)
-    """Prompts per update."""
-    responses_per_prompt: int = field(default=4, metadata=_POSITIVE)
-    """Samples per prompt (global batch = prompts x responses)."""
-    max_new_tokens: int = field(default=64, metadata=_POSITIVE)
-    """Response length limit."""
-    temperature: float = 1.0
-    """Sampling temperature of rollouts."""
-    rollout_seed: int = 0
-    """Sampling seed."""
     tis_cap: float | None = field(default=2.0, metadata=flag_spec(minimum=0, zero_is_none=True))
     """Truncated importance sampling cap on pi_train/pi_rollout (0: off)."""
-    baseline_decay: float = 0.9
-    """reinforce: b <- decay b + (1 - decay) mean(outcomes of this batch), after its
-    advantages (past batches only; b starts at 0)."""
-    failure_reward: float = -0.01
-    """reinforce with binary rewards: the outcome of an answer scoring below 1 (a correct
-    one is 1), as the paper's running-baseline REINFORCE."""
-    reward: Literal["binary", "partial"] = "binary"
-    """Binary correctness (score == 1) or the scorer's partial credit."""
-    verifier_timeout: float = 10.0
-    """Seconds per scored answer (a timeout scores 0)."""
-    eval_interval: int = field(default=0, metadata=flag_spec(minimum=0))
-    """Updates between evaluations (0: only before and after training)."""
-    eval_prompts: int = field(default=32, metadata=_POSITIVE)
-    """Held-out prompts per evaluation."""
-    eval_samples: int = field(default=4, metadata=_POSITIVE)
-    """Samples per eval prompt (the k of pass@k)."""
-    eval_temperature: float = 0.7
-    """Sampling temperature of evaluations (the paper: 0.7)."""
-    eval_top_p: float = 0.7
-    """Nucleus sampling of evaluations (the paper: 0.7; 1 turns it off)."""
-    ppo_epochs: int = field(default=1, metadata=_POSITIVE)
-    """Passes over each rollout batch; each minibatch of each pass is one optimizer step
-    (one LoGRA sketch/RowAdam update), against the logprobs the update started from."""
-    ppo_minibatches: int = field(default=1, metadata=_POSITIVE)
-    """Minibatches per pass: the rollout batch in this many equal parts, in order."""
     clip_ratio_low: float | None = field(default=None, metadata=flag_spec(
         minimum=0, zero_is_none=True))
     """PPO ratio clipping: eps_low of clip(r, 1 - eps_low, 1 + eps_high) (0: off; PPO and
@@ -91,35 +49,45 @@ class RLConfig:
     """How token terms become the loss: token-mean (over the global batch's tokens),
     seq-mean-token-sum, seq-mean-token-mean (GSPO), seq-mean-token-sum-norm (Dr.GRPO: sum /
     (responses x --max-new-tokens))."""
-    grpo_std_norm: bool = True
-    """GRPO: divide advantages by the group's reward std (--no-grpo-std-norm: Dr.GRPO)."""
-    dynamic_sampling: bool = False
-    """DAPO's dynamic sampling (GRPO): groups whose rewards are all equal (zero advantage,
-    full cost) are dropped and more prompts generated, up to --dynamic-sampling-max-rounds
-    generations per update; a batch still short is filled with dropped groups."""
-    dynamic_sampling_max_rounds: int = field(default=3, metadata=_POSITIVE)
-    """Generation rounds per update at most with --dynamic-sampling (1: filter only)."""
-    rollout_tensor_parallel_size: int = field(default=1, metadata=_POSITIVE)
-    """vLLM tensor-parallel size of the rollout engine."""
-    rollout_dtype: Literal["float32", "bfloat16"] = "float32"
-    """vLLM weights dtype (float32: trainer/engine logprobs agree to ~1e-6)."""
-    rollout_kv_cache_gib: float = 1.0
-    """vLLM KV cache size."""
-    rollout_placement: Literal["inherit", "dedicated", "colocated"] = "inherit"
-    """Where the engine runs (``rollout.placement``): on trainer rank 0's devices (inherit),
-    on devices of its own (dedicated: --rollout-devices), or sharing the trainer's and
-    taking turns with it (colocated: vLLM's sleep mode on CUDA)."""
-    rollout_devices: str = ""
-    """--rollout-placement dedicated: node 0's GPUs (visible indices, one per engine TP
-    rank, e.g. 6,7) or on CPU its cores (e.g. 6-7) for the engine alone."""
-    rollout_engine_url: str = ""
-    """http://HOST:PORT of a vLLM server to generate the rollouts (started by you, as
-    docs/usage.md shows: VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config
-    '{"backend": "mlogra"}'); the trainer pushes its weights into it through vLLM's RL
-    weight-transfer routes. Empty: trainer rank 0 starts one."""
-    rollout_replicas: int = field(default=1, metadata=_POSITIVE)
-    """Rollout engines (vLLM servers), each with the whole model: the prompts of every
-    rollout are split over them in a fixed order, and every push goes to every one."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.clip_ratio_high is not None and self.clip_ratio_low is None:
+            raise ValueError("--clip-ratio-high needs --clip-ratio-low (clipping is off without "
+                             "it); DAPO's clip-higher: --clip-ratio-low 0.2 --clip-ratio-high "
+                             "0.28")
+        if self.clip_ratio_low is not None and self.clip_ratio_low >= 1:
+            raise ValueError(f"--clip-ratio-low {self.clip_ratio_low} must be in (0, 1): the "
+                             f"ratio is clipped below at 1 - eps_low")
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    """How answers are scored (``rl.verifiers.Verifier``, ``rl.verifier``)."""
+
+    FLAG_PREFIX: ClassVar[str] = "verifier-"
+
+    reward: Literal["binary", "partial"] = field(default="binary",
+                                                 metadata=flag_spec(flag="--reward"))
+    """Binary correctness (score == 1) or the scorer's partial credit."""
+    timeout: float = 10.0
+    """Seconds per scored answer (a timeout scores 0)."""
+    max_answer_chars: int = field(default=4000, metadata=flag_spec(cli=False))
+    """Longer answers are cut before scoring."""
+    limits: SandboxLimits = field(default_factory=SandboxLimits, metadata=flag_spec(cli=False))
+    """The scoring process's memory and file caps."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.timeout <= 0:
+            raise ValueError(f"--verifier-timeout {self.timeout}: must be > 0 seconds")
+
+
+@dataclass(frozen=True)
+class StalenessConfig:
+    """Generation beside training (``--async-rollouts``) and how stale its samples may be
+    when they train (``rl.staleness`` applies the bounds)."""
+
     async_rollouts: bool = False
     """The engines generate the next --max-staleness batches with the current weights while
     the trainer trains on this one (one step off by default); the loss corrects for the
@@ -138,12 +106,68 @@ class RLConfig:
     stale_samples: Literal["drop", "downweight"] = "drop"
     """What happens to a sample beyond --max-staleness-kl: dropped (no gradient, no token
     count), or down-weighted by bound / its KL."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.async_rollouts and (self.max_staleness != 1 or self.max_staleness_kl):
+            raise ValueError("--max-staleness and --max-staleness-kl bound the samples of "
+                             "--async-rollouts; add it, or drop them")
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """The RL stage (``--stage rl``): rollouts, rewards, advantages, evaluation."""
+
+    algorithm: Literal["grpo", "reinforce"] = "grpo"
+    """Group-normalised advantages, or REINFORCE with a running baseline."""
+    prompts_per_step: int = field(default=8, metadata=_POSITIVE)
+    """Prompts per update."""
+    responses_per_prompt: int = field(default=4, metadata=_POSITIVE)
+    """Samples per prompt (global batch = prompts x responses)."""
+    max_new_tokens: int = field(default=64, metadata=_POSITIVE)
+    """Response length limit."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts."""
+    baseline_decay: float = 0.9
+    """reinforce: b <- decay b + (1 - decay) mean(outcomes of this batch), after its
+    advantages (past batches only; b starts at 0)."""
+    failure_reward: float = -0.01
+    """reinforce with binary rewards: the outcome of an answer scoring below 1 (a correct
+    one is 1), as the paper's running-baseline REINFORCE."""
+    eval_interval: int = field(default=0, metadata=flag_spec(minimum=0))
+    """Updates between evaluations (0: only before and after training)."""
+    eval_prompts: int = field(default=32, metadata=_POSITIVE)
+    """Held-out prompts per evaluation."""
+    eval_samples: int = field(default=4, metadata=_POSITIVE)
+    """Samples per eval prompt (the k of pass@k)."""
+    eval_temperature: float = 0.7
+    """Sampling temperature of evaluations (the paper: 0.7)."""
+    eval_top_p: float = 0.7
+    """Nucleus sampling of evaluations (the paper: 0.7; 1 turns it off)."""
+    ppo_epochs: int = field(default=1, metadata=_POSITIVE)
+    """Passes over each rollout batch; each minibatch of each pass is one optimizer step
+    (one LoGRA sketch/RowAdam update), against the logprobs the update started from."""
+    ppo_minibatches: int = field(default=1, metadata=_POSITIVE)
+    """Minibatches per pass: the rollout batch in this many equal parts, in order."""
+    grpo_std_norm: bool = True
+    """GRPO: divide advantages by the group's reward std (--no-grpo-std-norm: Dr.GRPO)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (GRPO): groups whose rewards are all equal (zero advantage,
+    full cost) are dropped and more prompts generated, up to --dynamic-sampling-max-rounds
+    generations per update; a batch still short is filled with dropped groups."""
+    dynamic_sampling_max_rounds: int = field(default=3, metadata=_POSITIVE)
+    """Generation rounds per update at most with --dynamic-sampling (1: filter only)."""
+    objective: PolicyObjective = field(default_factory=PolicyObjective)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    rollout: EngineConfig = field(default_factory=EngineConfig)
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     kl: KLControlConfig = field(default_factory=KLControlConfig)
 
     def __post_init__(self) -> None:
-        """Raise ValueError naming the flags and the fix (the rules within the RL stage's
-        own settings; ``RunConfig`` checks those that need the optimizer, batch or layout)."""
+        """Raise ValueError naming the flags and the fix (the rules across the RL stage's
+        own settings; each slice has checked its own, and ``RunConfig`` checks those that
+        need the optimizer, batch or layout)."""
         check_fields(self)
         if self.temperature <= 0:
             raise ValueError(f"--temperature {self.temperature} must be > 0 (greedy RL has no "
@@ -153,11 +177,6 @@ class RLConfig:
                              "are relative to the prompt's group)")
         if not 0 <= self.baseline_decay < 1:
             raise ValueError("--baseline-decay must lie in [0, 1)")
-        if self.verifier_timeout <= 0 or self.rollout_kv_cache_gib <= 0:
-            raise ValueError("--verifier-timeout and --rollout-kv-cache-gib must be > 0")
-        check_placement_flags(self.rollout_placement, self.rollout_devices)
-        if self.rollout_engine_url:
-            self._check_server_engine()
         if not 0 < self.eval_top_p <= 1 or self.eval_temperature <= 0:
             raise ValueError("need 0 < --eval-top-p <= 1 and --eval-temperature > 0")
         self._check_objective()
@@ -165,39 +184,20 @@ class RLConfig:
 
     def _check_rollout_schedule(self) -> None:
         """Replicas, asynchronous generation and the staleness bounds."""
-        if not self.async_rollouts and (self.max_staleness != 1 or self.max_staleness_kl):
-            raise ValueError("--max-staleness and --max-staleness-kl bound the samples of "
-                             "--async-rollouts; add it, or drop them")
-        if self.max_staleness_kl and self.kl.control == "none":
+        staleness = self.staleness
+        if staleness.max_staleness_kl and self.kl.control == "none":
             raise ValueError("--max-staleness-kl sums the KL of the updates since a sample's "
                              "weights, which --kl-control none does not estimate: use "
                              "--kl-control predicted (or measure), or bound by "
                              "--max-staleness versions")
-        if self.async_rollouts and self.rollout_placement == "colocated":
+        if staleness.async_rollouts and self.rollout.placement == "colocated":
             raise ValueError("--async-rollouts generates while the trainer trains; "
                              "--rollout-placement colocated takes turns on the same devices: "
                              "use dedicated (or inherit) placement")
-        if self.rollout_replicas > 1 and self.rollout_engine_url:
-            raise ValueError("--rollout-engine-url names one server; --rollout-replicas > 1 "
-                             "starts its engines here: drop one of them")
-        if self.rollout_replicas > 1 and self.weight_sync.transport == "sparse-delta":
-            raise ValueError("--weight-sync sparse-delta diffs against what was last sent, one "
-                             "engine's view; with --rollout-replicas > 1 use sketch-delta "
-                             "(LoGRA), lora-adapter (LoRA) or full")
-
-    def _check_server_engine(self) -> None:
-        from urllib.parse import urlparse
-
-        url = urlparse(self.rollout_engine_url)
-        if url.scheme not in ("http", "https") or not url.hostname or not url.port:
-            raise ValueError(f"--rollout-engine-url {self.rollout_engine_url!r}: give the vLLM "
-                             f"server's address as http://HOST:PORT")
-        if self.rollout_placement != "inherit":
-            raise ValueError("--rollout-placement places an engine the trainer starts; the "
-                             "server at --rollout-engine-url runs where you started it: drop it")
+        check_engines(self.weight_sync.transport, self.rollout.replicas)
 
     def _check_objective(self) -> None:
-        """PPO steps, clipping, GRPO variants and dynamic sampling."""
+        """PPO steps, GRPO variants and dynamic sampling."""
         steps = self.steps_per_update
         if steps > 1 and self.kl.control != "none":
             raise ValueError(
@@ -209,17 +209,7 @@ class RLConfig:
                 f"each move the policy with no budget left for the others. Use --kl-control "
                 f"none with several steps per batch (ratio clipping bounds them), or one step "
                 f"per batch")
-        if steps > 1 and self.weight_sync.transport == "sketch-delta":
-            raise ValueError(f"--weight-sync sketch-delta sends one LoGRA step's factors per "
-                             f"push; with {steps} optimizer steps per rollout batch use "
-                             f"--weight-sync sparse-delta or full")
-        if self.clip_ratio_high is not None and self.clip_ratio_low is None:
-            raise ValueError("--clip-ratio-high needs --clip-ratio-low (clipping is off without "
-                             "it); DAPO's clip-higher: --clip-ratio-low 0.2 --clip-ratio-high "
-                             "0.28")
-        if self.clip_ratio_low is not None and self.clip_ratio_low >= 1:
-            raise ValueError(f"--clip-ratio-low {self.clip_ratio_low} must be in (0, 1): the "
-                             f"ratio is clipped below at 1 - eps_low")
+        check_steps_per_push(self.weight_sync.transport, steps)
         if self.algorithm != "grpo" and (self.dynamic_sampling or not self.grpo_std_norm):
             raise ValueError("--dynamic-sampling and --no-grpo-std-norm act on GRPO's groups: "
                              "use them with --algorithm grpo (the running baseline gives "
@@ -229,10 +219,3 @@ class RLConfig:
     def steps_per_update(self) -> int:
         """Optimizer steps per rollout batch."""
         return self.ppo_epochs * self.ppo_minibatches
-
-    def policy_objective(self) -> PolicyObjective:
-        return PolicyObjective(tis_cap=self.tis_cap, clip_low=self.clip_ratio_low,
-                               clip_high=self.clip_ratio_high,
-                               ratio_level=self.importance_ratio_level,
-                               loss_agg_mode=self.loss_agg_mode,
-                               max_new_tokens=self.max_new_tokens)

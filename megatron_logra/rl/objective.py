@@ -91,9 +91,10 @@ class ObjectiveTerms:
 
 
 def objective_terms(obj: PolicyObjective, logp: torch.Tensor, old: torch.Tensor,
-                    rollout: torch.Tensor, advantages: torch.Tensor,
-                    mask: torch.Tensor) -> ObjectiveTerms:
-    """The microbatch's loss numerator and denominator, and what the trainer reports."""
+                    rollout: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                    max_new_tokens: int = 1) -> ObjectiveTerms:
+    """The microbatch's loss numerator and denominator, and what the trainer reports;
+    ``max_new_tokens``: seq-mean-token-sum-norm's constant (``--max-new-tokens``)."""
     old = old.detach()
     if obj.tis_cap is None:
         weights = torch.ones_like(logp)
@@ -101,9 +102,9 @@ def objective_terms(obj: PolicyObjective, logp: torch.Tensor, old: torch.Tensor,
         if obj.tis_cap <= 0:
             raise ValueError(f"importance-sampling cap must be > 0, got {obj.tis_cap}")
         weights = torch.exp(old - rollout).clamp(max=obj.tis_cap)
-    ratio = policy_ratio(logp, old, mask, obj.ratio_level)
-    loss, clipped = surrogate(ratio, advantages, obj.clip_low, obj.clip_high)
+    ratio = policy_ratio(logp, old, mask, obj.importance_ratio_level)
+    loss, clipped = surrogate(ratio, advantages, obj.clip_ratio_low, obj.clip_ratio_high)
     numerator, denominator = aggregate(weights * loss, mask, obj.loss_agg_mode,
-                                       obj.max_new_tokens)
+                                       max_new_tokens)
     return ObjectiveTerms(numerator, denominator, weights, clipped & (mask > 0),
                           ratio.detach())

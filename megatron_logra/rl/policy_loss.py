@@ -82,7 +82,8 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
 
 
 def policy_gradient_loss(vocab_size: int, temperature: float, objective: PolicyObjective,
-                         batch: dict[str, torch.Tensor], logits: torch.Tensor):
+                         max_new_tokens: int, batch: dict[str, torch.Tensor],
+                         logits: torch.Tensor):
     """The trainer's loss function (``training.step.LossFn``): ``rl.objective`` over the
     microbatch's generated tokens. ``batch["old_logprobs"]`` holds the logprobs the update
     started from when it takes several optimizer steps (``PolicyUpdate.old_logprobs``); without
@@ -91,7 +92,8 @@ def policy_gradient_loss(vocab_size: int, temperature: float, objective: PolicyO
     logp = token_logprobs(logits, batch["labels"], vocab_size, temperature)
     old = batch["old_logprobs"] if "old_logprobs" in batch else logp.detach()
     rollout = batch["rollout_logprobs"]
-    terms = objective_terms(objective, logp, old, rollout, batch["advantages"], mask)
+    terms = objective_terms(objective, logp, old, rollout, batch["advantages"], mask,
+                            max_new_tokens)
     w = terms.weights
     capped = (w >= objective.tis_cap) * mask if objective.tis_cap else mask.new_zeros(())
     eos_mask = mask * batch["eos_terminated"][:, None]

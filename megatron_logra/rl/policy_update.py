@@ -23,6 +23,7 @@ from megatron_logra.kl.controller import PredictedKLStep
 from megatron_logra.rl.policy_loss import (REPORT_KEYS, RolloutSample, collate_rollouts,
                                            logprobs_report, policy_gradient_loss)
 from megatron_logra.runtime.device import synchronize
+from megatron_logra.training.adam_cosine import AdamCosine
 from megatron_logra.training.build import TrainingObjects
 from megatron_logra.training.step import forward_backward, global_report_sums, train_step
 
@@ -35,6 +36,9 @@ class PolicyUpdate:
         self.kl_step = None if kl.control == "none" else PredictedKLStep(
             kl, temperature=cfg.rl.temperature, vocab_size=objs.arch.vocab_size,
             max_response_tokens=cfg.rl.max_new_tokens)
+        opt = cfg.optimizer
+        self.adam_cosine = AdamCosine(objs.model, beta1=opt.adam_beta1, beta2=opt.adam_beta2,
+                                      eps=opt.adam_eps) if cfg.training.log_adam_cosine else None
 
     def batch_length(self, samples: list[RolloutSample]) -> int:
         """Padded length of this update's sequences: the longest rollout of the global batch
@@ -81,7 +85,7 @@ class PolicyUpdate:
         optimizer step each (one step by default); the learning-rate schedule moves once."""
         t, rl = self.training, self.rl
         loss_fn = partial(policy_gradient_loss, self.objs.arch.vocab_size, rl.temperature,
-                          rl.policy_objective())
+                          rl.objective, rl.max_new_tokens)
         t0 = time.perf_counter()
         length = self.batch_length(samples)
         minibatches = self.minibatches(samples, length)
@@ -90,7 +94,7 @@ class PolicyUpdate:
         sums = dict.fromkeys(REPORT_KEYS, 0.0)
         kl_record: dict = {}
 
-        def optimizer_step(reports: list[dict]) -> tuple[bool, float | None]:
+        def scaled_step(reports: list[dict]) -> tuple[bool, float | None]:
             step = dict(zip(REPORT_KEYS, global_report_sums(reports, len(REPORT_KEYS))))
             for key, value in step.items():
                 sums[key] += value
@@ -105,11 +109,23 @@ class PolicyUpdate:
             kl_record.update(record)
             return ok, grad_norm
 
-        outs = [train_step(self.objs, microbatches, seq_length=length,
-                           micro_batch_size=t.micro_batch_size, loss_fn=loss_fn,
-                           optimizer_step=optimizer_step, advance_schedule=not (epoch or k),
-                           update=update + 1)
-                for epoch in range(rl.ppo_epochs) for k, microbatches in enumerate(minibatches)]
+        def optimizer_step(reports: list[dict]) -> tuple[bool, float | None]:
+            if self.adam_cosine is None:
+                return scaled_step(reports)
+            self.adam_cosine.before_step()
+            ok, grad_norm = scaled_step(reports)
+            kl_record.update(self.adam_cosine.after_step(ok))
+            return ok, grad_norm
+
+        outs = []
+        for epoch in range(rl.ppo_epochs):
+            for k, microbatches in enumerate(minibatches):
+                if self.adam_cosine is not None:
+                    self.adam_cosine.begin()
+                outs.append(train_step(self.objs, microbatches, seq_length=length,
+                                       micro_batch_size=t.micro_batch_size, loss_fn=loss_fn,
+                                       optimizer_step=optimizer_step,
+                                       advance_schedule=not (epoch or k), update=update + 1))
         synchronize()
         n = max(sums["tokens"], 1.0)
         record = {"loss": sum(o.loss for o in outs) / len(outs), "lr": outs[0].lr,
@@ -120,7 +136,7 @@ class PolicyUpdate:
                   "tis_capped_frac": sums["tis_capped"] / n,
                   "train_time_s": time.perf_counter() - t0,
                   "update_successful": all(o.update_successful for o in outs)}
-        if len(outs) > 1 or rl.clip_ratio_low is not None:
+        if len(outs) > 1 or rl.objective.clip_ratio_low is not None:
             record.update(optimizer_steps=len(outs), clip_frac=sums["clipped_tokens"] / n,
                           ppo_kl=sums["ppo_kl_sum"] / n,
                           steps_successful=sum(o.update_successful for o in outs))

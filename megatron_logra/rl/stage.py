@@ -3,22 +3,24 @@
 Rank 0 drives the rollout engine (vLLM's own server) and the verifier; every rank
 trains. ``RLStage.step(update)`` is one update, in this order:
 
-1. ``RolloutSource.rollout_batch``: P prompts x G responses from the engine, which serves
+1. ``SampleSource.rollout_batch``: P prompts x G responses from the engines, which serve
    exactly the trainer's current weights (version = updates done), scored, with their
    advantages, on every rank;
 2. ``PolicyUpdate.train``: the policy-gradient step(s) (dense Adam, LoRA or LoGRA);
-3. the version moves on and the new weights are pushed to the engines (``weight_sync``:
-   full, sparse-delta or sketch-delta) and committed.
+3. the version moves on and the new weights are pushed to the engines
+   (``SyncedEngines.push``, through ``weight_sync``: full, sparse-delta, sketch-delta or
+   lora-adapter) and committed.
 
 With ``--async-rollouts`` step 1 takes the batch generated beside the previous update's
-training and starts the next ones (``rl.rollout_ahead``), and the staleness bounds
+training and starts the next ones (``rl.samples_ahead``), and the staleness bounds
 decide each sample's weight in the loss (``rl.staleness``); a batch with nothing left
 trains nothing and pushes nothing.
 
-If the engine dies or fails a request, rank 0 restarts it, the job pushes the weights
-again, and the update goes on. Evaluations (pass@1, pass@k on held-out prompts) run
-before training, every ``--eval-interval`` updates and at the end (``after``).
-``training.trainer.run_stage`` runs the updates, logs, and checkpoints the policy, the
+If an engine dies or fails a request, rank 0 restarts it (``rollout.engines``), the job
+pushes the weights again (``rl.synced_engines``), and the update goes on. Evaluations
+(pass@1, pass@k on held-out prompts) run before training, every ``--eval-interval``
+updates and at the end (``after``). ``training.trainer.run_stage`` runs the updates and
+logs; the run's ``checkpoint.manager.CheckpointManager`` checkpoints the policy, the
 optimizer and the resumable parts: the scheduler, the reward baseline and the KL
 controller (prompts and sampling seeds are functions of the update index), so a resumed
 run continues where it stopped.
@@ -32,9 +34,10 @@ from collections.abc import Callable
 from megatron_logra.config import RunConfig
 from megatron_logra.rl.policy_loss import RolloutSample
 from megatron_logra.rl.policy_update import PolicyUpdate
-from megatron_logra.rl.rollout_ahead import RolloutAhead
-from megatron_logra.rl.rollout_source import RolloutSource
-from megatron_logra.rl.staleness import StalenessBound, UpdateKL, apply_bound
+from megatron_logra.rl.sample_source import SampleSource
+from megatron_logra.rl.samples_ahead import SamplesAhead
+from megatron_logra.rl.staleness import UpdateKL, apply_bound
+from megatron_logra.rl.synced_engines import SyncedEngines
 from megatron_logra.runtime.faults import maybe_fail
 from megatron_logra.training.log_sinks import open_metrics_log
 from megatron_logra.training.prepare import prepare_training
@@ -48,34 +51,45 @@ class RLStage:
         self.cfg = cfg
         self.prep = prepare_training(cfg)
         self.objs = self.prep.objs
-        self.source = RolloutSource(cfg, self.objs)
+        self.engines = SyncedEngines.start(cfg, self.objs)
+        self.source = SampleSource(cfg, self.engines)
         self.policy = PolicyUpdate(cfg, self.objs, self.prep.pad_id)
-        self.prep.resumable.register("rl_baseline", self.source.baseline)
+        self.prep.checkpoints.register("rl_baseline", self.source.baseline)
         if self.policy.kl_step is not None:
-            self.prep.resumable.register("kl_controller", self.policy.kl_step.controller)
+            self.prep.checkpoints.register("kl_controller", self.policy.kl_step.controller)
         self.rank = self.source.rank
         self.version = self.prep.start_step
         rl = cfg.rl
-        self.ahead = RolloutAhead(self.source, cfg.training.train_iters) \
-            if rl.async_rollouts else None
-        self.bound = StalenessBound(rl.max_staleness, rl.max_staleness_kl, rl.stale_samples)
+        self.ahead = SamplesAhead(self.source, cfg.training.train_iters) \
+            if rl.staleness.async_rollouts else None
+        self.bound = rl.staleness
         self.update_kl = UpdateKL()
         self.push_weights()  # the engines start from the trainer's weights
 
     @property
     def engine(self):
-        """Rank 0's ``VllmServer`` (None elsewhere)."""
-        return self.source.engine
+        """Rank 0's first ``VllmServer`` (None elsewhere)."""
+        return self.engines.engines.server
+
+    @property
+    def sync(self):
+        """The trainer's side of weight sync (``weight_sync.sync.WeightSync``)."""
+        return self.engines.sync
 
     @property
     def sync_stats(self):
         """The weight pushes' running figures (``weight_sync.sync.SyncStats``)."""
-        return self.source.weights.stats
+        return self.engines.stats
 
-    def push_weights(self, transport: str | None = None) -> None:
-        """Push the trainer's weights as version ``self.version``; ``transport`` forces one
-        (tests, benchmarks)."""
-        self.source.push(self.version, transport)
+    @property
+    def engine_restarts(self) -> int:
+        """The engines restarted after a failure so far."""
+        return self.engines.engines.restarts
+
+    def push_weights(self) -> None:
+        """Push the trainer's weights as version ``self.version`` (a test or a benchmark
+        forces a transport with ``self.sync.forcing``)."""
+        self.engines.push(self.version)
 
     def rollout_batch(self, update: int) -> tuple[list[RolloutSample], dict]:
         return self.source.rollout_batch(update, self.version)
@@ -86,15 +100,13 @@ class RLStage:
     def evaluate(self) -> dict:
         return self.source.evaluate(self.version)
 
-    def step(self, update: int, adjust_samples: AdjustSamples | None = None,
-             transport: str | None = None) -> dict:
+    def step(self, update: int, adjust_samples: AdjustSamples | None = None) -> dict:
         """One update (0-based ``update``); ``adjust_samples`` may change the samples
-        between rollout and training (tests force advantages on an untrained model),
-        ``transport`` forces the push's."""
+        between rollout and training (tests force advantages on an untrained model)."""
         maybe_fail("rollout", update + 1)
         if self.ahead is None:
             samples, record = self.rollout_batch(update)
-            self.source.link.release()  # colocated engines give the devices to the trainer
+            self.engines.release()  # colocated engines give the devices to the trainer
         else:
             samples, record = self._take_ahead(update)
         if adjust_samples is not None:
@@ -111,11 +123,11 @@ class RLStage:
         stats = self.sync_stats
         before = (stats.bytes, stats.seconds)
         maybe_fail("sync", update + 1)
-        self.push_weights(transport)
+        self.push_weights()
         record.update(sync_bytes=stats.bytes - before[0], sync_time_s=stats.seconds - before[1],
                       sync_transport=stats.last_transport,
                       checksum_mismatches=stats.checksum_mismatches,
-                      engine_restarts=stats.restarts)
+                      engine_restarts=self.engine_restarts)
         return record
 
     def _take_ahead(self, update: int) -> tuple[list[RolloutSample], dict]:
@@ -123,7 +135,7 @@ class RLStage:
         training), the next --max-staleness batches started at the current weights, and
         the staleness bounds applied (``rl.staleness``)."""
         samples, record = self.ahead.take(update, self.version)
-        for ahead in range(1, self.bound.max_versions + 1):
+        for ahead in range(1, self.bound.max_staleness + 1):
             self.ahead.start(update + ahead, self.version)
         samples, stale = apply_bound(samples, self.version, self.update_kl, self.bound)
         record.update(stale)
@@ -134,7 +146,7 @@ class RLStage:
         tell) and an evaluation; every --eval-interval updates: an evaluation."""
         record: dict = {}
         if last:
-            mismatches = self.source.engine_mismatches()
+            mismatches = self.engines.mismatches()
             if mismatches is not None:
                 record["engine_weight_mismatches"] = mismatches
         interval = self.cfg.rl.eval_interval
@@ -145,6 +157,7 @@ class RLStage:
     def close(self) -> None:
         if self.ahead is not None:
             self.ahead.close()
+        self.engines.close()
         self.source.close()
 
 
@@ -157,6 +170,6 @@ def run_rl(cfg: RunConfig) -> RunResult:
                 log.write(record)
                 if stage.rank == 0:
                     print(f"eval before training: {json.dumps(record)}", flush=True)
-            return run_stage(stage, stage.prep, cfg.training, cfg.checkpoint, log)
+            return run_stage(stage, stage.prep, cfg.training, log)
     finally:
         stage.close()

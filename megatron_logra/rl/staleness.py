@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from megatron_logra.rl.config import StalenessConfig
 from megatron_logra.rl.policy_loss import RolloutSample
 
 
@@ -38,15 +39,8 @@ class UpdateKL:
         return sum(self.moved[u] for u in steps)
 
 
-@dataclass(frozen=True)
-class StalenessBound:
-    max_versions: int
-    max_kl: float | None = None
-    mode: str = "drop"  # drop | downweight
-
-
 def apply_bound(samples: list[RolloutSample], now: int, kl: UpdateKL,
-                bound: StalenessBound) -> tuple[list[RolloutSample], dict]:
+                bound: StalenessConfig) -> tuple[list[RolloutSample], dict]:
     """``samples`` with their loss weights set by ``bound`` at trainer version ``now``, and
     the batch's staleness figures (for metrics.jsonl)."""
     out, by_versions, by_kl, down = [], 0, 0, 0
@@ -55,15 +49,15 @@ def apply_bound(samples: list[RolloutSample], now: int, kl: UpdateKL,
         lag = now - s.version
         moved = kl.since(s.version, now) if lag else 0.0
         weight = s.weight
-        if lag > bound.max_versions:
+        if lag > bound.max_staleness:
             weight, by_versions = 0.0, by_versions + 1
-        elif bound.max_kl is not None and moved is None and lag:
+        elif bound.max_staleness_kl is not None and moved is None and lag:
             weight, by_kl = 0.0, by_kl + 1  # unknown KL: never silently kept
-        elif bound.max_kl is not None and moved > bound.max_kl:
-            if bound.mode == "drop":
+        elif bound.max_staleness_kl is not None and moved > bound.max_staleness_kl:
+            if bound.stale_samples == "drop":
                 weight, by_kl = 0.0, by_kl + 1
             else:
-                weight, down = weight * bound.max_kl / moved, down + 1
+                weight, down = weight * bound.max_staleness_kl / moved, down + 1
         worst_kl = max(worst_kl, moved or 0.0)
         out.append(replace(s, weight=weight))
     lags = [now - s.version for s in samples]

@@ -23,18 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_logra.data.tasks import MATH, TaskItem
+from megatron_logra.rl.config import VerifierConfig
 from megatron_logra.runtime.processes import die_with_parent
 from megatron_logra.runtime.sandbox import SandboxLimits, enter_sandbox
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-
-
-@dataclass(frozen=True)
-class VerifierConfig:
-    reward: str = "binary"  # binary (score == 1.0) | partial (the scorer's score in [0, 1])
-    timeout_s: float = 10.0  # per answer; a timeout scores 0
-    max_answer_chars: int = 4000  # longer answers are cut before scoring
-    limits: SandboxLimits = SandboxLimits()  # the scoring process's memory and file caps
 
 
 def extract_answer(response: str) -> str:
@@ -103,10 +96,6 @@ class Verifier:
     def __init__(self, cfg: VerifierConfig, score_fn: Callable[[str, str, dict], float] = score_one):
         """``score_fn(task, answer, entry) -> score``: a module-level function (the child
         process imports it by name); tests pass scorers that hang, crash or raise."""
-        if cfg.reward not in ("binary", "partial"):
-            raise ValueError(f"--reward {cfg.reward!r}: choose binary or partial")
-        if cfg.timeout_s <= 0:
-            raise ValueError(f"--verifier-timeout {cfg.timeout_s}: must be > 0 seconds")
         self.cfg, self.score_fn = cfg, score_fn
         self._proc = self._conn = self._scratch = None
         self.failures: list[str] = []
@@ -143,7 +132,7 @@ class Verifier:
             self._start()
         try:
             self._conn.send((item.task, answer, item.entry))
-            if not self._conn.poll(self.cfg.timeout_s):
+            if not self._conn.poll(self.cfg.timeout):
                 self._kill()
                 return self._failed(item, "timeout")
             status, value = self._conn.recv()

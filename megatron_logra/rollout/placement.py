@@ -140,9 +140,23 @@ def _dedicated_gpus(devices: tuple[int, ...], engine_ranks: int, local_world_siz
                          f"ranks (local rank i uses GPU i, 0-{local_world_size - 1} here); "
                          f"start fewer processes per node (--nproc-per-node) or give the "
                          f"engine other GPUs")
-    physical = [p.strip() for p in visible.split(",")] if visible else None
-    ids = [physical[d] for d in devices] if physical else [str(d) for d in devices]
-    return EnginePlacement("dedicated", devices, {"CUDA_VISIBLE_DEVICES": ",".join(ids)})
+    return EnginePlacement("dedicated", devices,
+                           {"CUDA_VISIBLE_DEVICES": physical_gpus(devices, visible)})
+
+
+def physical_gpus(devices, visible: str | None) -> str:
+    """The engine process's ``CUDA_VISIBLE_DEVICES`` for node 0's visible GPU indices
+    ``devices``: the child reads the variable as physical ids (or UUIDs), so each index is
+    translated through node 0's own ``visible`` list ("4,5" and index 1 -> "5"); without
+    one the indices are the physical ids."""
+    if not visible:
+        return ",".join(map(str, devices))
+    physical = [p.strip() for p in visible.split(",") if p.strip()]
+    outside = [d for d in devices if d >= len(physical)]
+    if outside:
+        raise ValueError(f"GPUs {outside} are not in node 0's CUDA_VISIBLE_DEVICES={visible} "
+                         f"({len(physical)} GPUs): give indices below {len(physical)}")
+    return ",".join(physical[d] for d in devices)
 
 
 def _ranges(ids: list[int]) -> str:
@@ -157,14 +171,17 @@ def _ranges(ids: list[int]) -> str:
 
 
 def split_replicas(placement: EnginePlacement, replicas: int, engine_tp: int, *,
-                   cuda: bool, node_devices: list[int]) -> list[EnginePlacement]:
+                   cuda: bool, node_devices: list[int],
+                   visible: str | None = None) -> list[EnginePlacement]:
     """``placement`` for each of ``replicas`` engines (``--rollout-replicas``), or ValueError
-    naming the flags and the fix.
+    naming the flags and the fix. ``visible``: node 0's ``CUDA_VISIBLE_DEVICES``
+    (``physical_gpus``).
 
     - dedicated: ``--rollout-devices`` split in ``replicas`` equal runs, one per engine (on
       CUDA one GPU per engine TP rank, on CPU at least one core per engine TP rank);
     - colocated on CUDA: engine r on the r-th run of ``engine_tp`` of node 0's GPUs (the
-      trainer's, in turns as one engine does);
+      trainer's, in turns as one engine does; ``devices``: their visible indices, its
+      ``CUDA_VISIBLE_DEVICES`` their physical ids);
     - inherit (or colocated on CPU): every engine on trainer rank 0's devices (CPU cores
       shared; on CUDA refused: the engines would all sit on the first GPUs)."""
     if replicas == 1:
@@ -186,10 +203,10 @@ def split_replicas(placement: EnginePlacement, replicas: int, engine_tp: int, *,
             raise ValueError(f"--rollout-replicas {replicas} x --rollout-tensor-parallel-size "
                              f"{engine_tp} colocated engines need {replicas * engine_tp} GPUs; "
                              f"node 0 has {len(node_devices)}")
-        return [replace(placement, devices=tuple(node_devices[r * engine_tp:(r + 1) * engine_tp]),
-                        env={**placement.env, "CUDA_VISIBLE_DEVICES": ",".join(
-                            map(str, node_devices[r * engine_tp:(r + 1) * engine_tp]))})
-                for r in range(replicas)]
+        shares = [tuple(node_devices[r * engine_tp:(r + 1) * engine_tp]) for r in range(replicas)]
+        return [replace(placement, devices=share, env={
+            **placement.env, "CUDA_VISIBLE_DEVICES": physical_gpus(share, visible)})
+            for share in shares]
     raise ValueError(f"--rollout-replicas {replicas} on GPUs: give each engine GPUs of its own "
                      f"with --rollout-placement dedicated --rollout-devices (N x TP GPUs), or "
                      f"share the trainer's with --rollout-placement colocated")

@@ -34,10 +34,10 @@ import time
 from pathlib import Path
 
 from megatron_logra.rollout.lora_adapter import RUNTIME_LORA_ENV, lora_server_args
-from megatron_logra.rollout.types import EngineConfig
-from megatron_logra.rollout.vllm_server import BACKEND
+from megatron_logra.rollout.types import ServerSpec
 from megatron_logra.runtime.device import free_port
 from megatron_logra.runtime.faults import ENV as FAULT_ENV
+from megatron_logra.weight_sync.contract import BACKEND
 from megatron_logra.weight_sync.cpu_live_weights import LIVE_WEIGHTS_ENV
 from megatron_logra.weight_sync.vllm_plugin import DIE_WITH_PARENT_ENV
 
@@ -45,18 +45,21 @@ ENGINE_START_ENV = "MLOGRA_ENGINE_START"
 SHM = Path("/dev/shm")
 
 
-def server_argv(cfg: EngineConfig, port: int, *, cuda: bool) -> list[str]:
-    """vLLM's server command line for ``cfg`` (the flags docs/usage.md explains)."""
+def server_argv(cfg: ServerSpec, port: int, *, cuda: bool, host: str = "127.0.0.1"
+                ) -> list[str]:
+    """vLLM's server command line for ``cfg`` (the flags docs/usage.md explains), listening
+    on ``host`` (an engine node's: every interface, ``slurm.engine_task``)."""
+    engine = cfg.engine
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", cfg.model_dir, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len),
-            "--seed", str(cfg.seed), "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+            "--model", cfg.model_dir, "--host", host, "--port", str(port),
+            "--dtype", engine.dtype, "--max-model-len", str(cfg.max_model_len),
+            "--seed", str(engine.seed), "--tensor-parallel-size", str(engine.tensor_parallel_size),
             "--max-num-seqs", str(cfg.max_num_seqs), "--enforce-eager",
-            "--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * 2**30)),
+            "--kv-cache-memory-bytes", str(int(engine.kv_cache_gib * 2**30)),
             "--logprobs-mode", "processed_logprobs", "--load-format", cfg.load_format,
             "--weight-transfer-config", json.dumps({"backend": BACKEND}),
             "--disable-log-stats", "--uvicorn-log-level", "warning"]
-    if cfg.tensor_parallel_size == 1:
+    if engine.tensor_parallel_size == 1:
         argv += ["--distributed-executor-backend", "uni"]
     argv += lora_server_args(cfg.lora_rank)
     if cuda:
@@ -71,7 +74,7 @@ def server_argv(cfg: EngineConfig, port: int, *, cuda: bool) -> list[str]:
     return argv
 
 
-def server_env(cfg: EngineConfig, engine_start: int, *, cuda: bool) -> dict[str, str]:
+def server_env(cfg: ServerSpec, engine_start: int, *, cuda: bool) -> dict[str, str]:
     """The server's environment: this process's, the run's settings for vLLM, then
     ``cfg.env`` (its placement; it wins)."""
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
@@ -81,11 +84,11 @@ def server_env(cfg: EngineConfig, engine_start: int, *, cuda: bool) -> dict[str,
         env[RUNTIME_LORA_ENV] = "True"
     if not cuda:
         env[LIVE_WEIGHTS_ENV] = "1"
-        if cfg.tensor_parallel_size == 1:
+        if cfg.engine.tensor_parallel_size == 1:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         else:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND",
-                           "|".join(str(i) for i in range(cfg.tensor_parallel_size)))
+                           "|".join(str(i) for i in range(cfg.engine.tensor_parallel_size)))
     if cfg.replica:  # an injected fault (tests) strikes the first engine only
         env.pop(FAULT_ENV, None)
     env.update(dict(cfg.env))
@@ -93,10 +96,13 @@ def server_env(cfg: EngineConfig, engine_start: int, *, cuda: bool) -> dict[str,
 
 
 class LocalServer:
-    """One vLLM server process at a time, started by trainer rank 0."""
+    """One vLLM server process at a time, started by trainer rank 0 (or by an engine
+    node's task: ``slurm.engine_task``, which listens on ``host`` at a fixed ``port``)."""
 
-    def __init__(self, cfg: EngineConfig, log_path: str | Path, *, cuda: bool):
+    def __init__(self, cfg: ServerSpec, log_path: str | Path, *, cuda: bool,
+                 host: str = "127.0.0.1", port: int | None = None):
         self.cfg, self.log_path, self.cuda = cfg, Path(log_path), cuda
+        self.host, self.port = host, port  # port None: a free one at each start
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.shm_at_start: set[Path] = set()  # what it had mapped once up (``note_shm``)
@@ -108,7 +114,7 @@ class LocalServer:
         self.kill()
         self.shm_at_start = set()
         self.starts += 1
-        port = free_port()
+        port = self.port or free_port()
         cores = self.cfg.cpu_cores
 
         def in_child() -> None:
@@ -122,7 +128,7 @@ class LocalServer:
             log.write(f"--- vLLM server start {self.starts} ---\n")
             log.flush()
             self.proc = subprocess.Popen(
-                server_argv(self.cfg, port, cuda=self.cuda),
+                server_argv(self.cfg, port, cuda=self.cuda, host=self.host),
                 env=server_env(self.cfg, self.starts, cuda=self.cuda), stdout=log,
                 stderr=subprocess.STDOUT, preexec_fn=in_child, start_new_session=True)
         return f"http://127.0.0.1:{port}"

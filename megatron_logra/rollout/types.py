@@ -1,5 +1,6 @@
-"""The rollout engine's data types and errors, shared by the trainer's side of weight sync
-and the vLLM server client (``rollout.vllm_server``).
+"""The rollout engine's data types: what a server is started with (``ServerSpec``), a
+sampling request, a completion (the push vocabulary and the engine's errors:
+``weight_sync.contract``).
 
 The engine is vLLM's own server: the trainer talks to it over HTTP (generation, vLLM's
 weight-transfer routes, versions, checksums), and its workers receive pushes from every
@@ -9,64 +10,30 @@ trainer rank through this project's ``mlogra`` weight-transfer backend
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import StrEnum
+from dataclasses import dataclass, field
 
-
-class EngineError(RuntimeError):
-    """The engine died or refused a request; restart it and push the weights again."""
-
-
-class PushInFlight(EngineError):
-    """Generation or scoring was asked for while a push is open (started, not finished):
-    the server would mix two versions, so it is refused (and the server keeps running);
-    finish the push, or restart the server and push again."""
-
-
-class PushRefused(ValueError):
-    """A weight push was refused before anything was applied (a delta on the wrong base
-    version); the engine still serves its previous version."""
+from megatron_logra.rollout.config import EngineConfig
 
 
 @dataclass(frozen=True)
-class Delivery:
-    """How a push went, the same on every trainer rank: refused before anything was
-    applied (the reason), or failed (the engine's error), else the bytes it took."""
-
-    refused: str = ""
-    failed: str = ""
-    sent: int = 0
-
-
-class Transport(StrEnum):
-    """How a weight push travels (``--weight-sync``); the values are the flag's choices."""
-
-    FULL = "full"  # every HF tensor, each trainer rank its own pieces
-    SPARSE_DELTA = "sparse-delta"  # the engine-dtype elements that changed (exact)
-    SKETCH_DELTA = "sketch-delta"  # LoGRA: D and the projection seed per sketched weight
-    LORA_ADAPTER = "lora-adapter"  # LoRA: the adapter only, served by vLLM's LoRA support
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The vLLM server the trainer starts (``rollout.server_process``), or the one at
-    ``url`` (started by the user: only the timeouts apply)."""
+class ServerSpec:
+    """One vLLM server: the run's engine settings as they are (``engine``, the
+    ``--rollout-*`` slice) and what the trainer derives for this server. The server at
+    ``engine.engine_url`` (started by the user): only the timeouts apply; else trainer rank
+    0 starts it (``rollout.server_process``)."""
 
     model_dir: str  # config and tokenizer of the policy (the weights come with the first push)
     max_model_len: int
-    dtype: str = "float32"  # float32 (CPU parity) | bfloat16 (GPU)
-    kv_cache_gib: float = 1.0
-    tensor_parallel_size: int = 1
-    seed: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)
     max_num_seqs: int = 128
     lora_rank: int = 0  # > 0: vLLM serves the base plus a LoRA adapter of this rank
     env: tuple[tuple[str, str], ...] = ()  # set in the server's environment (placement)
     cpu_cores: tuple[int, ...] = ()  # CPU, dedicated: the only cores the server runs on
     sleep_mode: bool = False  # CUDA, colocated: release weights and KV cache between turns
     # CUDA, on the trainer's GPUs (inherit, colocated): vLLM's start-up memory fraction,
-    # sized from what the trainer left free (``engine_memory``); None: vLLM's default
+    # sized from what the trainer left free, measured before each start (set then by
+    # ``rollout.engines``, ``engine_memory.SharedGpuSizer``); None: vLLM's default
     gpu_memory_utilization: float | None = None
-    url: str = ""  # a running vLLM server (``--rollout-engine-url``): not started here
     replica: int = 0  # which of --rollout-replicas engines (its log, adapters, weight group)
     # "dummy": the server starts on random weights and the first push brings the
     # trainer's (no weights file anywhere); "auto": it loads ``model_dir``'s (tests)

@@ -34,13 +34,12 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from megatron_logra.rollout.types import (Completion, EngineError, PushInFlight, PushRefused,
-                                            SampleRequest)
+from megatron_logra.rollout.types import Completion, SampleRequest
+from megatron_logra.weight_sync.contract import EngineError, PushInFlight, PushRefused
 
-BACKEND = "mlogra"  # weight_sync.vllm_plugin.BACKEND (not imported: that module needs vLLM)
 UNVERSIONED = -1  # vLLM's weight version is "default" until the first finished push
 HEALTH_POLL_S = 2.0  # how often a long call checks that the server is still healthy
 
@@ -65,16 +64,17 @@ class VllmServer:
         self.replica = replica
         self.start_id = 0  # which server (and group) this is: a restart makes a fresh one
         self.restarts = 0
+        self.down = False  # a server started here, ended by ``halt``: ``start_again`` it
         self._call: threading.Thread | None = None
         self._call_result: list = []
-        self._update: dict = {}  # the push ``expect`` opened (its kind and version)
+        self._update: dict = {}  # the push ``expect`` opened (its transport and version)
         self.adapter_root = Path(adapter_root) if adapter_root else None
         self.adapter: tuple[str, Path] | None = None  # the LoRA adapter served: (name, folder)
         self._connect(url)
 
     @classmethod
     def local(cls, cfg, log_path, *, cuda: bool, adapter_root: str | None = None) -> VllmServer:
-        """Start vLLM's server for ``cfg`` (``EngineConfig``) here and connect to it."""
+        """Start vLLM's server for ``cfg`` (``ServerSpec``) here and connect to it."""
         from megatron_logra.rollout.server_process import LocalServer
 
         owner = LocalServer(cfg, log_path, cuda=cuda)
@@ -216,7 +216,7 @@ class VllmServer:
                               f"serves {serving}: push full weights")
         self._post("pause", params={"mode": "abort"})
         self._post("start_weight_update")
-        self._update = {"kind": str(transport), "version": int(version)}
+        self._update = {"transport": str(transport), "version": int(version)}
 
     def begin_receive(self, rounds: int) -> None:
         self._begin("update_weights", {"update_info": {"rounds": int(rounds), **self._update}})
@@ -326,7 +326,7 @@ class VllmServer:
         """Generation and scoring would mix two versions while a push is open (and hang
         on the paused server): refused until it is finished."""
         if self._update:
-            raise PushInFlight(f"a {self._update['kind']} push to version "
+            raise PushInFlight(f"a {self._update['transport']} push to version "
                                f"{self._update['version']} is in flight (opened, not "
                                f"finished): finish it first")
 
@@ -338,15 +338,16 @@ class VllmServer:
 
     # --- life cycle ------------------------------------------------------------------------
     def restart(self) -> None:
-        """A server started here: a fresh one (on dummy weights; the next push is full).
-        A server the user runs is not ours to restart: wait until it is healthy, close a
-        half-done update (vLLM refuses a new one while one is open) and join a fresh group
-        at the next push (full weights)."""
+        """A server started here: a fresh one (``halt``, then ``start_again``: on dummy
+        weights; the next push is full). A server the user runs is not ours to restart:
+        wait until it is healthy, close a half-done update (vLLM refuses a new one while
+        one is open) and join a fresh group at the next push (full weights)."""
+        if self.owner is not None:
+            self.halt()
+            self.start_again()
+            return
         self._call, self._update = None, {}
         self.restarts += 1
-        if self.owner is not None:
-            self._connect(self.owner.start())
-            return
         self._wait_healthy(self.timeout)
         unversioned = str(UNVERSIONED)  # half-applied weights: the next push must be full
         try:  # close an update the failure left open
@@ -356,9 +357,26 @@ class VllmServer:
         self._post("resume")
         self.start_id += 1
 
-    def kill_for_test(self) -> None:
-        """The server dies at once, as in a crash (tests; a server started here)."""
+    def halt(self) -> None:
+        """A server started here ends now (killed, as after a failure) and stays ``down``
+        until ``start_again`` (which the caller sizes: ``rollout.engine_memory``)."""
+        if self.owner is None:
+            raise EngineError(f"the vLLM server at {self.url} is not ours to stop")
+        self._call, self._update = None, {}
         self.owner.kill()
+        self.down = True
+
+    def start_again(self, gpu_memory_utilization: float | None = None) -> None:
+        """A fresh server started here in place of the one before (its log, adapters and
+        start count go on), on dummy weights; ``gpu_memory_utilization``: vLLM's start-up
+        memory fraction for it, measured now (None: the config's)."""
+        if gpu_memory_utilization is not None:
+            self.owner.cfg = replace(self.owner.cfg, gpu_memory_utilization=gpu_memory_utilization)
+        self._call, self._update = None, {}
+        self.restarts += 1
+        self.down = True  # until it answers
+        self._connect(self.owner.start())
+        self.down = False
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

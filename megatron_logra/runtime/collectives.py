@@ -6,6 +6,11 @@ reaches every rank of the group, so no rank waits in a later collective for a ra
 gave up. ``rank0_value(value)``: rank 0's ``value`` on every rank, for a decision rank 0
 made in place (a failure message beside a result only rank 0 keeps).
 
+A collective that waits past the default group's timeout (gloo: "Timed out waiting
+...") raises ``CollectiveTimeout``, naming ``--distributed-timeout-minutes``: the usual
+cause is rank 0 alone in a long phase (an engine start, an evaluation) while the others
+wait here.
+
 Where the objects travel is torch's choice (``broadcast_object_list`` without
 ``device``): over the group's CPU backend when it has one, else over its CUDA backend on
 ``torch.cuda.current_device()``, which ``device.init_runtime`` sets to this process's GPU
@@ -23,6 +28,28 @@ from typing import TypeVar
 import torch.distributed as dist
 
 T = TypeVar("T")
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited past the default group's timeout; the message names the flag."""
+
+
+def _bounded(collective: Callable[[], T]) -> T:
+    """``collective()``, its timeout re-raised as ``CollectiveTimeout`` with the fix."""
+    try:
+        return collective()
+    except RuntimeError as exc:
+        text = str(exc).lower()
+        if "timed out" not in text and "timeout" not in text:
+            raise
+        from megatron_logra.runtime.device import collective_timeout_minutes
+
+        minutes = collective_timeout_minutes()
+        now = f" (now {minutes:g} min)" if minutes is not None else ""
+        raise CollectiveTimeout(
+            f"{exc}: a collective waited longer than the default process group's "
+            f"timeout{now}, most likely for rank 0 alone in a long phase (a rollout engine "
+            f"start, an evaluation); raise --distributed-timeout-minutes") from exc
 
 
 class Rank0Error(RuntimeError):
@@ -56,7 +83,7 @@ def from_rank0(fn: Callable[[], T], *, group: dist.ProcessGroup | None = None,
         except Exception as exc:  # noqa: BLE001 - every rank raises it, below
             error = exc
             message[0] = (False, _describe(exc))
-    dist.broadcast_object_list(message, src=src, group=group)
+    _bounded(lambda: dist.broadcast_object_list(message, src=src, group=group))
     ok, body = message[0]
     if here == src:
         if error is not None:
@@ -79,7 +106,7 @@ def every_rank(value: T, *, group: dist.ProcessGroup | None = None) -> list[T]:
     if not dist.is_initialized():
         return [value]
     values: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(values, value, group=group)
+    _bounded(lambda: dist.all_gather_object(values, value, group=group))
     return values
 
 
@@ -93,7 +120,7 @@ def rank_and_world() -> tuple[int, int]:
 def barrier() -> None:
     """``dist.barrier()`` where torch.distributed is up (a no-op in one plain process)."""
     if dist.is_initialized():
-        dist.barrier()
+        _bounded(dist.barrier)
 
 
 def _describe(exc: Exception) -> tuple[bytes | None, str, str]:

@@ -33,6 +33,7 @@ class Runtime:
     rank: int
     world_size: int
     local_rank: int
+    timeout_minutes: float = 10.0  # the default group's (--distributed-timeout-minutes)
 
     @property
     def is_cuda(self) -> bool:
@@ -76,7 +77,9 @@ def _restart_store(timeout: datetime.timedelta) -> dict:
 
 
 def init_runtime(timeout_minutes: float = 10.0) -> Runtime:
-    """Initialise torch.distributed from torchrun's environment (or a single process).
+    """Initialise torch.distributed from torchrun's environment (or a single process), its
+    collectives bounded by ``timeout_minutes`` (``--distributed-timeout-minutes`` in a
+    run; 10, torch's default, for tools and benchmarks).
 
     Idempotent: later calls return the first Runtime. A process started without
     torchrun becomes a one-process group, so the same code path runs everywhere.
@@ -105,7 +108,8 @@ def init_runtime(timeout_minutes: float = 10.0) -> Runtime:
         atexit.register(shutdown_runtime)
     _RUNTIME = Runtime(device=device, backend=backend, rank=dist.get_rank(),
                        world_size=dist.get_world_size(),
-                       local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+                       local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                       timeout_minutes=timeout_minutes)
     return _RUNTIME
 
 
@@ -114,6 +118,11 @@ def adopt_runtime(runtime: Runtime | None) -> None:
     (the dry run's fake world: ``dry_run.world``); None forgets it."""
     global _RUNTIME
     _RUNTIME = runtime
+
+
+def collective_timeout_minutes() -> float | None:
+    """The default group's timeout in minutes (None before ``init_runtime``)."""
+    return None if _RUNTIME is None else _RUNTIME.timeout_minutes
 
 
 def shutdown_runtime() -> None:

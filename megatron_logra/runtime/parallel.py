@@ -39,14 +39,6 @@ class ParallelConfig:
                 f"launch a multiple of {tp * pp} processes (torchrun --nproc-per-node) or change "
                 f"--tensor-model-parallel-size / --pipeline-model-parallel-size")
 
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tensor_model_parallel_size > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pipeline_model_parallel_size > 1
-
 
 def initialize(cfg: ParallelConfig, world_size: int, seed: int) -> None:
     """Build megatron-core's process groups for ``cfg`` (kept when that layout is already up:

@@ -1,7 +1,7 @@
 """The library versions our touches of their internals are written for, checked one way.
 
 Every place that replaces or reads a megatron-core or vLLM internal (``patches/``,
-``runtime/megatron_shims``, ``training/megatron_optimizer``, ``logra/sketched_linear``,
+``runtime/megatron_shims``, ``runtime/megatron_optimizer``, ``logra/sketched_linear``,
 ``weight_sync/cpu_live_weights``, ``weight_sync/vllm_backend``, and torch's own in
 ``dry_run/fake_cuda``) names it in its header and calls ``require(...)`` before it
 touches anything: another version is refused with an error, never patched blindly or

@@ -38,7 +38,7 @@ from megatron_logra.model.provider import (ModelBuildConfig, build_gpt_model,
 from megatron_logra.patches import apply_all as apply_megatron_patches
 from megatron_logra.runtime.device import current_device
 from megatron_logra.runtime.phase_times import PHASES
-from megatron_logra.training.megatron_optimizer import reload_model_params
+from megatron_logra.runtime.megatron_optimizer import reload_model_params
 
 
 @dataclass

@@ -22,13 +22,12 @@ from megatron_logra.training.trainer import RunResult, run_stage
 
 
 def build_sft_batches(cfg: RunConfig, tokenizer) -> SFTBatches:
-    data_seed = cfg.data.data_seed if cfg.data.data_seed is not None else cfg.training.seed
-    items = generate_items(cfg.data.tasks, cfg.data.dataset_size, data_seed)
+    items = generate_items(cfg.data.tasks, cfg.data.dataset_size, cfg.data_seed)
     samples = [encode_sft(tokenizer, item) for item in items]
     batches = SFTBatches(samples, global_batch_size=cfg.training.global_batch_size,
                          micro_batch_size=cfg.training.micro_batch_size,
                          seq_length=cfg.training.seq_length, pad_id=tokenizer.pad_token_id,
-                         seed=data_seed)
+                         seed=cfg.data_seed)
     if batches.dropped and dist.get_rank() == 0:
         print(f"SFT: {batches.dropped} of {len(samples)} samples keep no answer token within "
               f"--seq-length {cfg.training.seq_length} and are left out", flush=True)
@@ -56,10 +55,10 @@ class SFTStage:
 
 
 def run_sft(cfg: RunConfig) -> RunResult:
-    init_runtime()
+    init_runtime(cfg.training.distributed_timeout_minutes)
     # the data first: a setting that leaves nothing to train on fails before the model is built
     batches = build_sft_batches(cfg, load_tokenizer(cfg.model.model_dir,
                                                     cfg.model.tokenizer_model))
     prep = prepare_training(cfg)
     with open_metrics_log(cfg, dist.get_rank() == 0, prep.start_step) as log:
-        return run_stage(SFTStage(cfg, prep, batches), prep, cfg.training, cfg.checkpoint, log)
+        return run_stage(SFTStage(cfg, prep, batches), prep, cfg.training, log)

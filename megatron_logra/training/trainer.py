@@ -1,4 +1,4 @@
-"""The one training loop: iteration, records, skips, progress, checkpoints, resumable state.
+"""The one training loop: iteration, records, skips, progress, the checkpoint calls.
 
 A stage (``training.sft.SFTStage``, ``rl.stage.RLStage``) supplies what one update does
 (``step``) and what may follow it (``after``: RL's evaluations); ``run_stage`` owns the
@@ -10,8 +10,8 @@ rest, the same for every stage:
         skipped-update count (stops the run at --max-skipped-updates in a row)
         + stage.after(update, last)           # e.g. an evaluation
         metrics.jsonl (and TensorBoard/W&B), progress line every --log-interval
-        checkpoint every --save-interval and at the end, with every registered
-        resumable part (``checkpoint.state.ResumableState``)
+        prep.checkpoints.save(step, last)     # when one is due, what it holds, how many
+                                              # are kept: ``checkpoint.manager``
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from megatron_logra.checkpoint.meta import CheckpointMeta
-from megatron_logra.checkpoint.save import save_or_report
-from megatron_logra.config import CheckpointConfig, TrainingConfig
+from megatron_logra.config import TrainingConfig
 from megatron_logra.runtime.collectives import barrier, rank_and_world
 from megatron_logra.runtime.device import peak_memory_bytes
 from megatron_logra.training.metrics import MetricsLog
@@ -46,15 +44,9 @@ class Stage(Protocol):
         """Figures taken after update ``update`` (outside its step time), e.g. an eval."""
 
 
-def save_due(ck: CheckpointConfig, done: int, last: bool) -> bool:
-    """Whether a checkpoint is written after ``done`` updates."""
-    return bool(ck.save) and (last or bool(ck.save_interval and done % ck.save_interval == 0))
-
-
-def run_stage(stage: Stage, prep, training: TrainingConfig, ck: CheckpointConfig,
-              log: MetricsLog) -> RunResult:
+def run_stage(stage: Stage, prep, training: TrainingConfig, log: MetricsLog) -> RunResult:
     """Updates ``prep.start_step`` .. ``--train-iters`` of ``stage`` (collective); ``prep``:
-    ``training.prepare.Prepared``."""
+    ``training.prepare.Prepared`` (its ``checkpoints`` save)."""
     objs, is_logger = prep.objs, rank_and_world()[0] == 0
     skipped = SkippedUpdates(training.max_skipped_updates)
     result = RunResult(objects=objs)
@@ -70,11 +62,8 @@ def run_stage(stage: Stage, prep, training: TrainingConfig, ck: CheckpointConfig
         log.write(record)
         if done % training.log_interval == 0 or last:
             log.progress(record, training.train_iters)
-        if save_due(ck, done, last):
-            meta = CheckpointMeta(step=done, **prep.checkpoint_meta)
-            saved = save_or_report(ck.save, ck.save_keep, objs, prep.resumable.state_dict(),
-                                   meta, last=last)
-            result.last_checkpoint = saved or result.last_checkpoint
+        result.last_checkpoint = prep.checkpoints.save(done, last=last) or \
+            result.last_checkpoint
     if is_logger:
         print(f"metrics: {log.path.resolve()}", flush=True)
     barrier()

@@ -9,9 +9,10 @@ GPUs; the ``mlogra`` weight-transfer backend, ``vllm_backend``, is the workers' 
   into ``transfer_plan.Block``s, one message per worker per bucket of parameters: no TP
   gather, no relay, no rank holding more than its shard;
 - a sparse delta: each rank compares its shard, in the engine dtype, with what it last
-  sent (a shard-sized shadow) and sends each worker the changed elements it holds, as
-  flat indices into the worker's own parameter (a block that changed nearly everywhere
-  goes dense);
+  sent (a shard-sized shadow, kept in host memory, so it is not in the GPU memory plan:
+  each sparse push copies each shard's shadow to the device and back, one parameter at a
+  time) and sends each worker the changed elements it holds, as flat indices into the
+  worker's own parameter (a block that changed nearly everywhere goes dense);
 - a sketch delta: each rank's own rows of D (``sketch_rows``), each worker receiving the
   rows it holds; the unsketched tensors that train go as blocks.
 
@@ -32,9 +33,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_logra.weight_sync.messages import Outbox
-from megatron_logra.weight_sync.p2p import (GroupAddress, abort_group, join_group, open_store,
-                                       send_message, wait_all)
-from megatron_logra.rollout.types import Delivery, EngineError, PushRefused, Transport
+from megatron_logra.weight_sync.p2p import (GroupAddress, abort_group, join_group,
+                                            message_device, open_store, send_message, wait_all)
+from megatron_logra.weight_sync.contract import Delivery, EngineError, PushRefused, Transport
 from megatron_logra.weight_sync.sketch_rows import RowsUpdate, encode_rows, owned_updates
 from megatron_logra.weight_sync.transfer_plan import Block, shard_blocks, shard_extent, worker_rows
 from megatron_logra.model.hf_mapping import hf_param_shapes, megatron_param_names, row_segments
@@ -63,7 +64,7 @@ class _Link:
     bound on each send."""
 
     group: object = None
-    joined: int | None = None
+    joined: tuple | None = None  # (engine client, its start) the group was built with
     wait_s: float = GroupAddress.timeout_s
 
 
@@ -72,11 +73,13 @@ class DirectChannel:
 
     def __init__(self, model_chunks: list, arch, plan, dtype: torch.dtype, engine_tp: int,
                  bucket_bytes: int, backend: str | None = None, merged: bool = True):
-        """``plan``: ``full_weights.PushPlan`` (who sends each parameter's stage);
+        """``plan``: ``gathered_weights.PushPlan`` (who sends each parameter's stage);
         ``engine_tp``: the engine's TP size (its worker count); ``backend``: the group's,
         None for the device's (NCCL on CUDA, gloo on CPU). gloo on CUDA stages every
         message through host memory: what an engine on the trainer's own GPUs needs, as
-        NCCL refuses two members of one communicator on one GPU. ``merged``: LoRA's
+        NCCL refuses two members of one communicator on one GPU (a NCCL group whose
+        members turn out to share a GPU, as a server at --rollout-engine-url on the
+        trainer's GPUs would, is gloo too: ``p2p.join_group``). ``merged``: LoRA's
         adapters merged into the weights sent (an engine serving the adapter on its own
         takes the base weights: False)."""
         self.arch, self.dtype, self.engine_tp = arch, dtype, engine_tp
@@ -84,11 +87,12 @@ class DirectChannel:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = current_device()
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
-        self.message_device = self.device if self.backend == "nccl" else torch.device("cpu")
         self.shards = self._my_shards(model_chunks, plan, merged)
-        self.shadow: dict[str, torch.Tensor] = {}  # sparse deltas: what each shard last sent
+        # sparse deltas: what each shard last sent, in host memory (``keep_on_host``)
+        self.shadow: dict[str, torch.Tensor] = {}
         self.store = None
         self.address: GroupAddress | None = None  # rank 0: its store's (prefix set per join)
+        self.joins = 0  # rank 0: groups built on its store (each its own key prefix)
         self.links: dict[int, _Link] = {}  # each replica's group (``use``)
         self.replica = 0
         self.link = self.links.setdefault(0, _Link())
@@ -134,14 +138,19 @@ class DirectChannel:
 
         def new_address() -> GroupAddress | None:  # rank 0: None when already joined
             start = getattr(engine, "start_id", None)
-            if start == self.link.joined:
+            if (engine, start) == self.link.joined:
                 return None
             if self.store is None:
                 host = os.environ.get("MASTER_ADDR", "127.0.0.1")
                 self.address = GroupAddress(host, free_port(), "", self.world,
                                             self.engine_tp, self.backend)
                 self.store = open_store(self.address, master=True)
-            return replace(self.address, prefix=f"mlogra-direct/{self.replica}-{start}/")
+            # a prefix of its own for every group: a server reconnected after a failure
+            # (a fresh client, counting its starts from 1 again) must not meet the keys a
+            # dead group left in the store
+            self.joins += 1
+            return replace(self.address,
+                           prefix=f"mlogra-direct/{self.replica}-{start}-{self.joins}/")
         address = from_rank0(new_address)
         if address is None:
             return ""
@@ -155,8 +164,9 @@ class DirectChannel:
                 failed = str(exc)
         if not _agree(failed):
             try:
-                self.link.group = join_group(address, self.rank, self.store if self.rank == 0
-                                             else None, self.message_device)
+                self.link.group = join_group(
+                    address, self.rank, self.store if self.rank == 0 else None,
+                    self.device if self.backend == "nccl" else None)
             except RuntimeError as exc:
                 failed = f"joining the direct weight group: {exc}"
             if self.rank == 0:
@@ -166,7 +176,7 @@ class DirectChannel:
                     failed = failed or str(exc)
         failed = _agree(failed)
         if not failed and self.rank == 0:
-            self.link.joined = getattr(engine, "start_id", None)
+            self.link.joined = (engine, getattr(engine, "start_id", None))
         if failed:
             self.link.group = None
         return failed
@@ -252,10 +262,10 @@ class DirectChannel:
 
     def _send(self, outboxes: list[Outbox]) -> None:
         works = []
+        device = message_device(self.group, self.device)  # the host where the group is gloo
         for worker, box in enumerate(outboxes):
-            meta, tensors = box.pack(self.dtype, self.message_device)
-            posted, size = send_message(self.group, self.world + worker, meta, tensors,
-                                        self.message_device)
+            meta, tensors = box.pack(self.dtype, device)
+            posted, size = send_message(self.group, self.world + worker, meta, tensors, device)
             works += posted
             self.sent_here += size
         wait_all(works, self.link.wait_s)
@@ -292,7 +302,7 @@ class DirectChannel:
                 continue
             value = shard.value().to(self.dtype)
             if record:
-                self.shadow[name] = value.clone()
+                keep_on_host(self.shadow, name, value)
             for block in shard.blocks:
                 boxes[block.worker].add_block(block, value)
         return boxes
@@ -308,8 +318,8 @@ class DirectChannel:
                 raise RuntimeError(f"sparse delta: {name} was never pushed in full from "
                                    f"rank {self.rank}")
             bits = BITS[new.dtype]
-            changed = new.view(bits) != old.view(bits)
-            self.shadow[name] = new.clone()
+            changed = new.view(bits) != old.to(new.device).view(bits)
+            keep_on_host(self.shadow, name, new)
             for block in shard.blocks:
                 inside = changed[block.src_row:block.src_row + block.rows]
                 values = new[block.src_row:block.src_row + block.rows]
@@ -336,6 +346,17 @@ class DirectChannel:
                         u.name, encode_rows(rows[mask]), u.d[mask].contiguous(), u.coefficient,
                         u.seed, u.rank, u.kind))
         return boxes
+
+
+def keep_on_host(shadow: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:
+    """``shadow[name]`` becomes a host copy of ``value`` (into the buffer it already has:
+    one host copy per shard for the whole run, pinned when ``value`` is on a GPU so the
+    copies back and forth run at the link's speed)."""
+    held = shadow.get(name)
+    if held is None or held.shape != value.shape or held.dtype != value.dtype:
+        held = shadow[name] = torch.empty(value.shape, dtype=value.dtype, device="cpu",
+                                          pin_memory=value.is_cuda)
+    held.copy_(value)
 
 
 def _worker_index(block: Block, where: torch.Tensor) -> torch.Tensor:

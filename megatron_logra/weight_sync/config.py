@@ -3,7 +3,8 @@ no torch, no megatron.
 
 ``RLConfig.weight_sync`` holds them: the transport ``--weight-sync`` picks is
 ``rl.weight_sync.transport`` wherever it is read (``transport``: this package's word for
-one way of pushing, ``rollout.types.Transport``).
+one way of pushing, ``contract.Transport``, on the wire too; what each one needs of the
+run: ``contract.NEEDS``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from megatron_logra.flags import check_fields, flag_spec
-from megatron_logra.rollout.types import Transport
+from megatron_logra.weight_sync.contract import Transport
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ resent."""
 
 from __future__ import annotations
 
-from megatron_logra.rollout.types import EngineError, Transport
 from megatron_logra.runtime.collectives import from_rank0
-from megatron_logra.weight_sync.transport import PushResult, TrainerWeights
+from megatron_logra.weight_sync.contract import Delivery, EngineError, Transport
+from megatron_logra.weight_sync.transport import TrainerWeights
 
 class FullPush:
     transport = Transport.FULL
@@ -14,14 +14,14 @@ class FullPush:
     def __init__(self, weights: TrainerWeights):
         self.weights = weights
 
-    def push(self, engine, version: int, names: list[str] | None = None) -> PushResult:
+    def push(self, engine, version: int, names: list[str] | None = None) -> Delivery:
         """Every parameter (or ``names``, canonical) in full, then the version: every rank
         sends each server worker its pieces (the server must be running)."""
         w = self.weights
         done = w.direct.full(engine, version, names, record=w.shadow is not None)
         if w.shadow is not None and names is None and not (done.failed or done.refused):
             w.shadow_version = version
-        return PushResult(failed=done.failed or done.refused, sent=done.sent)
+        return Delivery(failed=done.failed or done.refused, sent=done.sent)
 
     def mismatches(self, engine) -> tuple[list[str] | None, str]:
         """(HF names whose server copy differs from the trainer's, "") on every rank, or
@@ -49,15 +49,15 @@ class FullPush:
                 return None, str(exc)
         return from_rank0(compare)
 
-    def resend_mismatches(self, engine, version: int) -> tuple[PushResult, int]:
+    def resend_mismatches(self, engine, version: int) -> tuple[Delivery, int]:
         """Compare the server's weights with the trainer's (checksums) and resend the
         mismatching tensors in full: (result, number of mismatching tensors)."""
         w = self.weights
         bad, failed = self.mismatches(engine)
         if bad is None:
-            return PushResult(failed=failed or "checksum check failed"), 0
+            return Delivery(failed=failed or "checksum check failed"), 0
         if not bad:
-            return PushResult(), 0
+            return Delivery(), 0
         if w.rank == 0:
             print(f"weight sync: checksum mismatch in {len(bad)} tensors "
                   f"({bad[:3]}...); resending them in full", flush=True)

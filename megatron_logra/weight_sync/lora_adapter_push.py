@@ -3,10 +3,11 @@ format, served by vLLM's LoRA support on the unmerged base."""
 
 from __future__ import annotations
 
-from megatron_logra.rollout.types import Delivery, EngineError, Transport
-from megatron_logra.weight_sync.full_weights import gather_adapters
-from megatron_logra.weight_sync.transport import (PushResult, TrainerWeights,
-                                                  deliver_through_rank0)
+from dataclasses import replace
+
+from megatron_logra.weight_sync.contract import Delivery, EngineError, Transport
+from megatron_logra.weight_sync.gathered_weights import gather_adapters
+from megatron_logra.weight_sync.transport import TrainerWeights, deliver_through_rank0
 
 class LoraAdapterPush:
     """LoRA: the server keeps the frozen base (pushed in full, unmerged) and serves the
@@ -47,13 +48,12 @@ class LoraAdapterPush:
     def applied(self, version: int) -> None:
         pass
 
-    def follow_full(self, engine, version: int, result: PushResult) -> PushResult:
+    def follow_full(self, engine, version: int, result: Delivery) -> Delivery:
         """After a full push of the base: the adapter too (collective)."""
         payload = self.gather()
         if self.weights.rank != 0 or result.failed:
             return result
         try:
-            result.sent += self.send(engine, payload, version)
+            return replace(result, sent=result.sent + self.send(engine, payload, version))
         except (EngineError, ValueError) as exc:
-            result.failed = str(exc)
-        return result
+            return replace(result, failed=str(exc))

@@ -6,8 +6,8 @@ from __future__ import annotations
 from megatron_logra.logra.optimizer import LograOptimizer
 from megatron_logra.model.hf_mapping import megatron_param_names
 from megatron_logra.model.provider import canonical_param_names, unwrap
-from megatron_logra.rollout.types import Delivery, Transport
 from megatron_logra.runtime.collectives import every_rank
+from megatron_logra.weight_sync.contract import Delivery, Transport
 from megatron_logra.weight_sync.transport import TrainerWeights
 
 
@@ -17,7 +17,7 @@ class SketchDeltaPush:
 
     def __init__(self, weights: TrainerWeights, optimizer):
         """Collective. ``optimizer``: a ``LograOptimizer`` keeping each update's (D,
-        coefficient, seed) (``keep_updates``, set from ``--weight-sync sketch-delta``)."""
+        coefficient, seed) (``keep_updates``: ``contract.NEEDS``, set by the CLI)."""
         if not (isinstance(optimizer, LograOptimizer) and optimizer.keep_updates):
             raise ValueError("sketch-delta weight sync needs a LograOptimizer that keeps its "
                              "updates (keep_updates): run with --optimizer logra "

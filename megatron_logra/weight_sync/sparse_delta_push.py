@@ -3,7 +3,7 @@ sent (exact); needs a recorded base at the previous version."""
 
 from __future__ import annotations
 
-from megatron_logra.rollout.types import Delivery, Transport
+from megatron_logra.weight_sync.contract import Delivery, Transport
 from megatron_logra.weight_sync.transport import TrainerWeights
 
 class SparseDeltaPush:

@@ -1,36 +1,41 @@
 """``WeightSync``: one push per update, over the transport ``--weight-sync`` asks for.
 
 ``WeightSync.push(engine, version)`` picks the transport (the same on every rank: rank
-0 decides and broadcasts), runs it (``full_push``, ``sparse_delta_push``, ``sketch_delta_push``, ``lora_adapter_push``) and returns what happened. A delta
-needs the engine at exactly the previous version (and, for sparse, senders whose last
-sent tensors are that version); otherwise, on an anchor update
-(``--weight-sync-anchor-interval``) and after a refusal, the push is full. Every
-``--weight-sync-verify-interval``-th delta push is followed by a check of the server's
-weights against the trainer's (vLLM's checksums); a mismatching tensor is resent in full
-and counted.
+0 decides and broadcasts), runs it (``full_push``, ``sparse_delta_push``,
+``sketch_delta_push``, ``lora_adapter_push``) and returns what happened
+(``contract.Delivery``); the engine is a ``contract.PushTarget``. A delta needs the
+engine at exactly the previous version (and, for sparse, senders whose last sent tensors
+are that version); otherwise, on an anchor update (``--weight-sync-anchor-interval``)
+and after a refusal, the push is full. Every ``--weight-sync-verify-interval``-th delta
+push is followed by a check of the server's weights against the trainer's (vLLM's
+checksums); a mismatching tensor is resent in full and counted. A push that fails says
+so; the caller restarts the engine (``rl.synced_engines``: never this package).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 
-from megatron_logra.weight_sync.config import WeightSyncConfig
-from megatron_logra.rollout.types import EngineError, Transport
 from megatron_logra.runtime.collectives import from_rank0
+from megatron_logra.weight_sync.config import WeightSyncConfig
+from megatron_logra.weight_sync.contract import (Delivery, EngineError, PushTarget, Transport,
+                                                 needs)
 from megatron_logra.weight_sync.full_push import FullPush
 from megatron_logra.weight_sync.lora_adapter_push import LoraAdapterPush
 from megatron_logra.weight_sync.sketch_delta_push import SketchDeltaPush
 from megatron_logra.weight_sync.sparse_delta_push import SparseDeltaPush
-from megatron_logra.weight_sync.transport import PushResult, TrainerWeights
+from megatron_logra.weight_sync.transport import TrainerWeights
 
 
 @dataclass
 class SyncStats:
+    """The pushes' running figures (every rank; ``bytes``: rank 0's count)."""
+
     bytes: int = 0
     seconds: float = 0.0
-    restarts: int = 0
     pushes: int = 0
     delta_pushes: int = 0
     checksum_mismatches: int = 0
@@ -65,7 +70,7 @@ class WeightSync:
         The engine is vLLM's server (``rollout.vllm_server``): pushes go through its
         weight-transfer routes, checks by vLLM's checksums."""
         self.cfg = cfg
-        adapter_mode = cfg.transport == Transport.LORA_ADAPTER
+        adapter_mode = needs(cfg.transport).engine_serves_adapter
         if adapter_mode and lora is None:
             raise ValueError("--weight-sync lora-adapter sends a LoRA adapter: train with "
                              "--peft lora")
@@ -74,6 +79,7 @@ class WeightSync:
                                       group_backend=group_backend)
         self.rank = self.weights.rank
         self.stats = SyncStats()
+        self.forced: Transport | None = None  # ``forcing``'s transport
         self.full = FullPush(self.weights)
         self.deltas = {}
         self.adapter = None
@@ -84,25 +90,27 @@ class WeightSync:
         elif adapter_mode:
             self.adapter = self.deltas[Transport.LORA_ADAPTER] = LoraAdapterPush(self.weights,
                                                                                 lora)
-        self.engine_lora_rank = lora.rank if adapter_mode else 0
-        """The LoRA rank the engine must serve (``EngineConfig.lora_rank``; 0: none)."""
 
-    # what tests and benchmarks read of the trainer's weights
     @property
     def plan(self):
+        """Who sends each parameter (``gathered_weights.PushPlan``; tests and benchmarks
+        gather the trainer's weights by it)."""
         return self.weights.plan
-
-    @property
-    def hf_source(self) -> dict[str, str]:
-        return self.weights.hf_source
-
-    @property
-    def shadow(self):
-        return self.weights.shadow
 
     def track_changes(self) -> None:
         """Make sparse deltas possible (forced ones too): record what full pushes send."""
         self.deltas.setdefault(Transport.SPARSE_DELTA, SparseDeltaPush(self.weights))
+
+    @contextmanager
+    def forcing(self, transport: str):
+        """Within it every push asks for ``transport`` instead of ``--weight-sync``'s (tests,
+        benchmarks; a delta still needs the engine at the previous version, and a delta
+        transport this run did not set up is refused)."""
+        before, self.forced = self.forced, Transport(transport)
+        try:
+            yield
+        finally:
+            self.forced = before
 
     def use(self, replica: int) -> None:
         """The next pushes and checks go to engine ``replica`` (its own weight group)."""
@@ -112,17 +120,17 @@ class WeightSync:
         if self.weights.direct is not None:
             self.weights.direct.close()
 
-    def engine_mismatches(self, engine) -> int | None:
+    def engine_mismatches(self, engine: PushTarget) -> int | None:
         """How many HF tensors the server holds differently from the trainer (vLLM's
         checksums; every rank); None when the check failed."""
         bad, _ = self.full.mismatches(engine)
         return None if bad is None else len(bad)
 
     # --- one push --------------------------------------------------------------------------
-    def push(self, engine, version: int, transport: str | None = None) -> PushResult:
-        """Push the trainer's weights as ``version``; ``transport`` forces one (tests,
-        benchmarks; a delta still needs the engine at the previous version)."""
-        chosen = self._choose(engine, version, transport)
+    def push(self, engine: PushTarget | None, version: int) -> Delivery:
+        """Push the trainer's weights as ``version`` (the transport ``--weight-sync`` asks
+        for, or ``forcing``'s, when a delta can be used: ``choose_transport``)."""
+        chosen = self._choose(engine, version, self.forced)
         self.stats.last_transport = chosen
         if chosen != Transport.FULL:
             result = self._push_delta(engine, version, self.deltas[chosen])
@@ -145,14 +153,14 @@ class WeightSync:
                 return Transport.FULL
             try:
                 serving = engine.version
-            except EngineError:  # the server died: the full push fails, the link restarts it
+            except EngineError:  # the server died: the full push fails, the caller restarts it
                 return Transport.FULL
             base = version - 1 if delta is not None and delta.ready(version) else None
             return choose_transport(wanted, version=version, engine_version=serving,
                                     shadow_version=base, anchor_interval=self.cfg.anchor_interval)
         return from_rank0(choose)
 
-    def _push_delta(self, engine, version: int, delta) -> PushResult | None:
+    def _push_delta(self, engine, version: int, delta) -> Delivery | None:
         """Every rank's part reaches the engine (``delta.deliver``); each vLLM worker applies
         its shard of it in place. None: refused before anything was applied."""
         done = delta.deliver(engine, version)
@@ -162,13 +170,13 @@ class WeightSync:
                       flush=True)
             return None
         if done.failed:  # the engine died: the caller restarts it and pushes in full
-            return PushResult(failed=done.failed)
-        out = PushResult(sent=done.sent if self.rank == 0 else 0)
+            return Delivery(failed=done.failed)
+        out = Delivery(sent=done.sent if self.rank == 0 else 0)
         self.stats.delta_pushes += 1
         delta.applied(version)
         every = self.cfg.verify_interval
         if delta.verifiable and every and self.stats.delta_pushes % every == 0:
             checked, mismatches = self.full.resend_mismatches(engine, version)
             self.stats.checksum_mismatches += mismatches
-            out.failed, out.sent = checked.failed, out.sent + checked.sent
+            out = replace(out, failed=checked.failed, sent=out.sent + checked.sent)
         return out

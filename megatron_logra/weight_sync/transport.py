@@ -4,33 +4,28 @@ the delta transports follow (``DeltaTransport``); one file per transport:
 ``lora_adapter_push`` (LoRA).
 
 ``TrainerWeights`` is what every transport reads: the policy's chunks in the Megatron
-layout, who sends each parameter (``full_weights.plan_push``), the engine dtype, for
+layout, who sends each parameter (``gathered_weights.plan_push``), the engine dtype, for
 sparse deltas what each sender last sent, and the channel (``weight_sync.channel``) over
 which every rank sends each vLLM server worker its own pieces. Rank 0 talks to the
-server (``rollout.vllm_server.VllmServer``, None on every other rank). A delta's
+server (a ``contract.PushTarget``: ``rollout.vllm_server.VllmServer``; None on every
+other rank). A delta's
 ``deliver`` gets it to the server, which refuses (nothing applied) unless it serves the
 base version.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from megatron_logra.model.hf_mapping import hf_sources
-from megatron_logra.rollout.types import Delivery, EngineError, PushRefused, Transport
 from megatron_logra.runtime.collectives import from_rank0
 from megatron_logra.weight_sync.channel import DirectChannel
-from megatron_logra.weight_sync.full_weights import full_push, plan_push
-
-
-@dataclass
-class PushResult:
-    failed: str = ""  # the engine's error ("" when it worked)
-    sent: int = 0  # bytes
+from megatron_logra.weight_sync.contract import (Delivery, EngineError, PushRefused, PushTarget,
+                                                 Transport)
+from megatron_logra.weight_sync.gathered_weights import gathered_buckets, plan_push
 
 
 class TrainerWeights:
@@ -60,8 +55,8 @@ class TrainerWeights:
             self.shadow = {}
 
     def buckets(self, names: list[str] | None = None):
-        """Full HF tensors in buckets on rank 0 (see ``full_weights.full_push``)."""
-        return full_push(self.model, self.arch, self.plan, dtype=self.dtype,
+        """Full HF tensors in buckets on rank 0 (see ``gathered_weights.gathered_buckets``)."""
+        return gathered_buckets(self.model, self.arch, self.plan, dtype=self.dtype,
                          bucket_bytes=self.bucket_bytes, names=names, merged=self.merged)
 
 
@@ -76,7 +71,7 @@ class DeltaTransport(Protocol):
     def ready(self, version: int) -> bool:
         """Whether a delta to ``version`` can be built (rank 0 decides)."""
 
-    def deliver(self, engine, version: int) -> Delivery:
+    def deliver(self, engine: PushTarget | None, version: int) -> Delivery:
         """Every rank's part to the server; refused (nothing applied) unless it serves
         ``version - 1``."""
 

@@ -9,11 +9,11 @@ pushes through its own RL routes (``VLLM_SERVER_DEV_MODE=1``):
   trainer's standalone group (``weight_sync.p2p``: gloo on CPU, NCCL on CUDA) as group rank
   ``trainers + its TP rank``; every trainer rank is a member, so each sends each worker
   only the pieces of its own shard that worker holds (no gather on any rank);
-- ``/start_weight_update``, then ``/update_weights {"update_info": {"rounds": N, "kind":
-  K, "version": V}}``: the workers receive N rounds of one message from every trainer rank
-  (``weight_sync.messages``: blocks of full values, changed elements of a sparse delta,
-  rows of D of a sketch delta applied as W -= c D A(seed)) and apply each to their live
-  parameters, checked first (``worker_shards``);
+- ``/start_weight_update``, then ``/update_weights {"update_info": {"rounds": N,
+  "transport": T, "version": V}}``: the workers receive N rounds of one message from
+  every trainer rank (``weight_sync.messages``: blocks of full values, changed elements
+  of a sparse delta, rows of D of a sketch delta applied as W -= c D A(seed)) and apply
+  each to their live parameters, checked first (``worker_shards``);
 - ``/finish_weight_update {"weight_version": "V"}``: vLLM records the version.
 
 vLLM's built-in backends (nccl, ipc, sparse_nccl, nccl_m2n) need CUDA and send whole
@@ -37,9 +37,9 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine,
                                                    WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from megatron_logra.weight_sync.p2p import GroupAddress, join_group
 from megatron_logra.runtime import versions
-from megatron_logra.weight_sync.vllm_plugin import BACKEND  # noqa: F401 (its name)
+from megatron_logra.weight_sync.contract import Transport
+from megatron_logra.weight_sync.p2p import GroupAddress, join_group, message_device
 from megatron_logra.weight_sync.worker_shards import WorkerShards
 
 
@@ -67,8 +67,9 @@ class MlograInitInfo(WeightTransferInitInfo):
 class MlograUpdateInfo(WeightTransferUpdateInfo):
     rounds: int
     """Rounds of one message from every trainer rank."""
-    kind: str = "full"
-    """full | sparse-delta | sketch-delta (fault injection tells them apart)."""
+    transport: str = Transport.FULL
+    """``contract.Transport``: full | sparse-delta | sketch-delta (fault injection tells
+    them apart)."""
     version: int = 0
     """The version this update becomes (fault injection: ``runtime.faults``)."""
 
@@ -90,8 +91,9 @@ class MlograWeightTransferEngine(WeightTransferEngine[MlograInitInfo, MlograUpda
         self.group = None
 
     def init_transfer_engine(self, init_info: MlograInitInfo) -> None:
-        """Join the trainer's group (blocks until every member joined); a fresh group
-        replaces the one before (the trainer side restarted)."""
+        """Join the trainer's group (blocks until every member joined; a NCCL group whose
+        members share a GPU is gloo, ``p2p.join_group``); a fresh group replaces the one
+        before (the trainer side restarted)."""
         if init_info.workers != self.shards.tp:
             raise ValueError(f"mlogra init_info: the trainer expects {init_info.workers} "
                              f"workers; this server has TP {self.shards.tp}")
@@ -109,10 +111,11 @@ class MlograWeightTransferEngine(WeightTransferEngine[MlograInitInfo, MlograUpda
         from megatron_logra.runtime.faults import engine_fault
 
         def after_first_round() -> None:
-            if update_info.kind == "full":
+            if update_info.transport == Transport.FULL:
                 engine_fault("engine-full-push", update_info.version, self.engine_start)
-        self.shards.receive(self.group, self.address, update_info.rounds, after_first_round)
-        if update_info.kind != "full":
+        self.shards.receive(self.group, self.address, update_info.rounds,
+                            message_device(self.group, self.shards.device), after_first_round)
+        if update_info.transport != Transport.FULL:
             engine_fault("engine-delta-push", update_info.version, self.engine_start)
 
     @property

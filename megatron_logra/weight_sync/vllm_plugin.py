@@ -14,9 +14,10 @@ megatron-core and touches nothing else.
 
 from __future__ import annotations
 
+from megatron_logra.weight_sync.contract import BACKEND
+
 BACKEND_MODULE = "megatron_logra.weight_sync.vllm_backend"
 BACKEND_CLASS = "MlograWeightTransferEngine"
-BACKEND = "mlogra"
 DIE_WITH_PARENT_ENV = "MLOGRA_DIE_WITH_PARENT"
 
 

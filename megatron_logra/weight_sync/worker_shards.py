@@ -85,9 +85,11 @@ class WorkerShards:
         return set(hf_param_shapes(self.arch))
 
     @torch.inference_mode()
-    def receive(self, group, address, rounds: int, after_first_round=None) -> int:
+    def receive(self, group, address, rounds: int, device: torch.device,
+                after_first_round=None) -> int:
         """Receive ``rounds`` rounds of one message from every trainer rank of ``address``
-        (``p2p.GroupAddress``) and apply each to the live parameters (checked first);
+        (``p2p.GroupAddress``) into ``device`` (``p2p.message_device``: the host for a gloo
+        group, this GPU for NCCL) and apply each to the live parameters (checked first);
         returns the bytes received. ``after_first_round()``: called once the first round
         is applied (fault injection)."""
         from megatron_logra.weight_sync.messages import apply_message, check_message
@@ -102,8 +104,6 @@ class WorkerShards:
             check_updates(self.arch, updates, shapes)
             apply_updates_into(self.arch, updates, locate)
 
-        # gloo carries host tensors (a server on the trainer's own GPUs); NCCL the GPU's
-        device = self.device if address.backend == "nccl" else torch.device("cpu")
         received = 0
         for k in range(rounds):
             for sender in range(address.trainers):

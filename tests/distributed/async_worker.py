@@ -20,6 +20,7 @@ checksums) and against each other. Rank 0 writes {"steps": [...], "restarts": ..
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch.distributed as dist
 
@@ -29,18 +30,17 @@ from rl_worker import close_and_write, plus_minus_advantages
 def main() -> None:
     from megatron_logra.cli import parse_run_config
     from megatron_logra.rl.stage import RLStage
-    from megatron_logra.rl.staleness import StalenessBound
 
     out_path, argv = sys.argv[1], sys.argv[2:]
     run = RLStage(parse_run_config(argv))
-    link, weights = run.source.link, run.source.weights
+    link, weights = run.engines.engines, run.sync
     result = {"steps": [], "start": _engines(run, link, weights)}
     own_bound = run.bound
     for update in range(run.cfg.training.train_iters):
         if update == 2 and dist.get_rank() == 0:
-            link.engines[0].kill_for_test()
+            link.servers[0].owner.kill()  # as in a crash
         if update == 4:
-            run.bound = StalenessBound(own_bound.max_versions, max_kl=1e-12)
+            run.bound = replace(own_bound, max_staleness_kl=1e-12)
         seen: dict = {}
 
         def forced(samples):
@@ -55,7 +55,7 @@ def main() -> None:
         result["steps"].append({"record": record, "version_before": version_before,
                                 "version_after": run.version, **seen,
                                 "engines": _engines(run, link, weights)})
-    result["restarts"] = run.sync_stats.restarts
+    result["restarts"] = run.engine_restarts
     close_and_write(run, result, out_path)
 
 
@@ -65,11 +65,11 @@ def _engines(run, link, weights) -> dict:
     mismatches = []
     for replica in range(link.replicas):
         weights.use(replica)
-        mismatches.append(weights.engine_mismatches(link.engines[replica]))
+        mismatches.append(weights.engine_mismatches(link.servers[replica]))
     if dist.get_rank() != 0:
         return {}
-    sums = [engine.checksums() for engine in link.engines]
-    return {"versions": [e.version for e in link.engines], "mismatches": mismatches,
+    sums = [engine.checksums() for engine in link.servers]
+    return {"versions": [e.version for e in link.servers], "mismatches": mismatches,
             "checksums_equal": all(s == sums[0] for s in sums), "trainer": run.version}
 
 

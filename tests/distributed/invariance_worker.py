@@ -29,7 +29,7 @@ warnings.filterwarnings("ignore")
 def main() -> None:
     plan = json.loads(Path(sys.argv[1]).read_text())
     from megatron_logra.cli import parse_run_config
-    from megatron_logra.model.gather import gather_full_state_dict
+    from megatron_logra.testing.gather import gather_full_state_dict
     from megatron_logra.runtime.device import init_runtime
     from megatron_logra.training.prepare import prepare_training
     from megatron_logra.training.sft import run_sft

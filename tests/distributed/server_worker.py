@@ -38,7 +38,7 @@ def main() -> None:
 
     out_path, argv = sys.argv[1], sys.argv[2:]
     cfg = parse_run_config(argv)
-    url = cfg.rl.rollout_engine_url
+    url = cfg.rl.rollout.engine_url
     run = RLStage(cfg)
     rows = torch.randint(0, run.objs.arch.vocab_size, (3, 24),
                          generator=torch.Generator().manual_seed(5))
@@ -46,7 +46,7 @@ def main() -> None:
     sent = [0]
 
     def check(label: str) -> None:
-        mismatches = run.source.weights.engine_mismatches(run.engine)
+        mismatches = run.sync.engine_mismatches(run.engine)
         mine = trainer_logprobs(run, rows)
         theirs = engine_logprobs(run, rows)
         if dist.get_rank() == 0:
@@ -76,7 +76,8 @@ def main() -> None:
     run.version = 3
     run.push_weights()
     check("version changed")
-    run.push_weights("full")
+    with run.sync.forcing("full"):
+        run.push_weights()
     check("forced full")
     result["moved"] = float((trainer_logprobs(run, rows) - first).abs().max())
     close_and_write(run, result, out_path)

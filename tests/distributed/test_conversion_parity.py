@@ -87,7 +87,8 @@ def models(tmp_path_factory) -> dict[str, dict[str, Path]]:
     """{name: {"hf": folder, "ckpt": converted fp32 checkpoint}}, tiny variants + SmolLM2."""
     from megatron_logra.convert.gguf import ensure_smollm2_hf
     from megatron_logra.convert.pipeline import hf_to_megatron
-    from megatron_logra.model.tiny_assets import TINY_VARIANTS, write_tiny_hf_checkpoint
+    from megatron_logra.model.tiny_assets import TINY_VARIANTS
+    from megatron_logra.testing.tiny_checkpoint import write_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("models")
     folders = {name: write_tiny_hf_checkpoint(root / name, family, seed=i, **kw)

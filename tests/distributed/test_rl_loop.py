@@ -82,7 +82,7 @@ ENGINE_CORE = max(os.sched_getaffinity(0))
 
 
 # the layout whose engine is killed after the updates (a resync of base + adapter; a full
-# resync after a restart: test_weight_bridge.py); engine deaths at every point of an
+# resync after a restart: test_weight_sync.py); engine deaths at every point of an
 # update: test_rl_faults.py
 KILLED_ENGINE = ("pp2_lora_adapter",)
 # the layout whose model holds no position past --seq-length (max_position_embeddings =

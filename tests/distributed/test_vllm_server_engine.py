@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_logra.model.tiny_assets import write_tiny_hf_checkpoint
+from megatron_logra.testing.tiny_checkpoint import write_tiny_hf_checkpoint
 from megatron_logra.runtime.device import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm]

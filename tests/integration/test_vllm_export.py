@@ -80,7 +80,8 @@ def exports(tmp_path_factory) -> dict[str, dict]:
     from megatron_logra.convert.pipeline import hf_to_megatron, megatron_to_hf
     from megatron_logra.convert.logits_parity import sample_tokens
     from megatron_logra.model.arch import load_arch
-    from megatron_logra.model.tiny_assets import TINY_VARIANTS, write_tiny_hf_checkpoint
+    from megatron_logra.model.tiny_assets import TINY_VARIANTS
+    from megatron_logra.testing.tiny_checkpoint import write_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("export")
     quiet = lambda msg: None  # noqa: E731

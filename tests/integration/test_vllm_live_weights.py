@@ -73,7 +73,7 @@ def _push_sketch(server, updates: list, version: int, tp: int) -> bool:
     backend's group, gloo); returns whether scoring was refused while the push was open."""
     from megatron_logra.weight_sync.messages import Outbox
     from megatron_logra.weight_sync.p2p import GroupAddress, join_group, open_store, send_message, wait_all
-    from megatron_logra.rollout.types import PushInFlight
+    from megatron_logra.weight_sync.contract import PushInFlight
     from megatron_logra.runtime.device import free_port
 
     address = GroupAddress("127.0.0.1", free_port(), "live-test/", 1, tp, "gloo", 120.0)
@@ -114,10 +114,11 @@ def _transformers_logprobs(folder, weights, rows: torch.Tensor) -> torch.Tensor:
 def case(request, tmp_path_factory):
     from safetensors.torch import load_file
 
-    from megatron_logra.rollout.types import EngineConfig
+    from megatron_logra.rollout.config import EngineConfig
+    from megatron_logra.rollout.types import ServerSpec
     from megatron_logra.weight_sync.sketch_rows import apply_updates
     from megatron_logra.model.arch import load_arch
-    from megatron_logra.model.tiny_assets import write_tiny_hf_checkpoint
+    from megatron_logra.testing.tiny_checkpoint import write_tiny_hf_checkpoint
     from megatron_logra.rollout.vllm_server import VllmServer
 
     family, tp = CASES[request.param]
@@ -126,8 +127,9 @@ def case(request, tmp_path_factory):
     arch = load_arch(folder)
     weights = {n: t.to(DTYPE) for n, t in load_file(folder / "model.safetensors").items()}
     shm_before = shm_entries()
-    cfg = EngineConfig(str(folder), max_model_len=64, dtype="bfloat16", kv_cache_gib=0.05,
-                       tensor_parallel_size=tp, max_num_seqs=8, load_format="auto")
+    cfg = ServerSpec(str(folder), max_model_len=64, max_num_seqs=8, load_format="auto",
+                     engine=EngineConfig(dtype="bfloat16", kv_cache_gib=0.05,
+                                         tensor_parallel_size=tp))
     server = VllmServer.local(cfg, tmp / "server.log", cuda=False)
     try:
         loaded = server.checksums()
@@ -139,7 +141,7 @@ def case(request, tmp_path_factory):
         after_push = server.checksums()
         served_version = server.version
         after = torch.tensor(server.prompt_logprobs(rows.tolist()), dtype=torch.float64)
-        server.kill_for_test()  # a TP2 server's shared-memory queues go with it, even so
+        server.owner.kill()  # a crash: a TP2 server's shared-memory queues go with it, even so
     finally:
         server.close()
     for _ in range(40):

@@ -62,3 +62,26 @@ def test_checkpoint_for_another_model_is_refused(tmp_path):
     other = write_tiny_model_dir(tmp_path / "other", num_layers=2)
     with pytest.raises(ValueError, match="saved for another model"):
         run_sft(_cfg(tmp_path, "--load", str(tmp_path / "ck"), "--model-dir", str(other)))
+
+
+def test_the_manager_saves_on_cadence_keeps_k_and_resumes_the_newest_that_verifies(
+        tmp_path, capsys):
+    """``checkpoint.manager.CheckpointManager``, driven by the loop: a save every
+    --save-interval updates and at the end, the newest --save-keep kept; --auto-resume
+    starts from the newest that verifies, passing over a damaged one (said so), and the
+    resumable parts (the scheduler) come back with it."""
+    from megatron_logra.training.sft import run_sft
+
+    first = run_sft(_cfg(tmp_path, "--train-iters", "3", "--save-interval", "1",
+                         "--save-keep", "2"))
+    ck = tmp_path / "ck"
+    assert sorted(p.name for p in ck.glob("iter_*")) == ["iter_0000002", "iter_0000003"]
+    assert first.last_checkpoint == ck / "iter_0000003"
+    (ck / "iter_0000003" / "common.pt").write_bytes(b"damaged")
+    capsys.readouterr()
+    resumed = run_sft(_cfg(tmp_path, "--train-iters", "4", "--auto-resume"))
+    out = capsys.readouterr().out
+    assert "auto-resume: passing over a damaged checkpoint" in out and "iter_0000003" in out
+    assert "resumed from" in out and "iter_0000002 at step 2" in out
+    assert [r["step"] for r in resumed.records] == [3, 4]
+    assert resumed.objects.scheduler.num_steps == 4  # restored at 2 (fresh: 2), 2 more updates

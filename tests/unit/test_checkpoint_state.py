@@ -11,7 +11,7 @@ from megatron_logra.checkpoint import layout
 from megatron_logra.checkpoint.meta import CheckpointMeta, read_meta
 from megatron_logra.checkpoint.state import ResumableState
 from megatron_logra.config import CheckpointConfig
-from megatron_logra.training.trainer import save_due
+from megatron_logra.checkpoint.manager import save_due
 
 
 class Counter:

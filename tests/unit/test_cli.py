@@ -50,8 +50,9 @@ EXPECTED_FLAGS = {
     "--grpo-std-norm", "--no-grpo-std-norm", "--dynamic-sampling",
     "--dynamic-sampling-max-rounds", "--save-keep", "--auto-resume",
     "--max-skipped-updates", "--rollout-replicas", "--async-rollouts", "--max-staleness",
-    "--max-staleness-kl", "--stale-samples", "--dry-run", "--dry-run-world-size",
-    "--dry-run-ranks", "--dry-run-gpus-per-node", "--dry-run-gpu-gib",
+    "--max-staleness-kl", "--stale-samples", "--distributed-timeout-minutes",
+    "--log-adam-cosine", "--dry-run", "--dry-run-world-size", "--dry-run-ranks",
+    "--dry-run-gpus-per-node", "--dry-run-gpu-gib",
 }
 
 
@@ -154,7 +155,8 @@ def test_rl_flags_give_their_config_and_the_global_batch():
                             "6", "--tis-cap", "0", "--algorithm",
                             "reinforce", "--micro-batch-size", "2"], world_size=2)
     assert cfg.training.global_batch_size == 24
-    assert (cfg.rl.prompts_per_step, cfg.rl.responses_per_prompt, cfg.rl.tis_cap) == (4, 6, None)
+    assert (cfg.rl.prompts_per_step, cfg.rl.responses_per_prompt,
+            cfg.rl.objective.tis_cap) == (4, 6, None)
     assert cfg.rl.kl.control == "none" and cfg.rl.algorithm == "reinforce"
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_logra.rollout.types import EngineError, PushRefused
+from megatron_logra.weight_sync.contract import EngineError, PushRefused
 from megatron_logra.runtime import collectives
 from megatron_logra.runtime.collectives import Rank0Error, from_rank0, rank0_value
 from megatron_logra.runtime.device import free_port

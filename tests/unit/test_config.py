@@ -20,7 +20,8 @@ from megatron_logra.flags import FlagError, flag_name
 from megatron_logra.kl.config import KLControlConfig
 from megatron_logra.logra.config import LograConfig
 from megatron_logra.lora.config import LoraConfig
-from megatron_logra.rl.config import RLConfig
+from megatron_logra.rl.config import PolicyObjective, RLConfig, VerifierConfig
+from megatron_logra.rollout.config import EngineConfig
 from megatron_logra.runtime.parallel import ParallelConfig
 from megatron_logra.weight_sync.config import WeightSyncConfig
 
@@ -123,20 +124,25 @@ def test_choices_are_refused_in_code_as_argparse_refuses_them(capsys):
 
 def test_zero_is_the_command_lines_none():
     """--tis-cap 0 is off (None); in code None says it, and 0 is refused."""
-    assert parse_run_config(["--stage", "rl", "--tis-cap", "0"], world_size=1).rl.tis_cap is None
-    assert RLConfig(tis_cap=None).tis_cap is None
+    cfg = parse_run_config(["--stage", "rl", "--tis-cap", "0"], world_size=1)
+    assert cfg.rl.objective.tis_cap is None
+    assert PolicyObjective(tis_cap=None).tis_cap is None
     with pytest.raises(FlagError, match="--tis-cap: 0 is how the command line says None"):
-        RLConfig(tis_cap=0)
+        PolicyObjective(tis_cap=0)
 
 
 def test_a_field_is_named_as_its_flag():
     """Flag -> field -> use is one name: a field's flag is --{FLAG_PREFIX}{field}, and a
     nested config's field is named as its flags begin (rl.kl: --kl-*, rl.weight_sync:
-    --weight-sync-*, optimizer.logra: --logra-*, optimizer.lora: --lora-*). The flags
-    named otherwise, on purpose: --optimizer (OptimizerConfig.name), --task (the parsed
-    DataConfig.tasks), --weight-sync (WeightSyncConfig.transport, the transport it picks),
-    --sync-bucket-mb (WeightSyncConfig.bucket_mb), --dry-run (DryRunConfig.enabled, the
-    switch its --dry-run-* flags belong to)."""
+    --weight-sync-*, rl.rollout: --rollout-*, rl.verifier: --verifier-*, optimizer.logra:
+    --logra-*, optimizer.lora: --lora-*), or, for the two slices whose flags share no
+    beginning, as the part of the stage that takes them (rl.objective: the loss's --tis-cap,
+    --clip-ratio-*, --importance-ratio-level, --loss-agg-mode; rl.staleness:
+    --async-rollouts and its bounds). The flags named otherwise, on purpose: --optimizer
+    (OptimizerConfig.name), --task (the parsed DataConfig.tasks), --weight-sync
+    (WeightSyncConfig.transport, the transport it picks), --sync-bucket-mb
+    (WeightSyncConfig.bucket_mb), --reward (VerifierConfig.reward), --dry-run
+    (DryRunConfig.enabled, the switch its --dry-run-* flags belong to)."""
     import dataclasses
 
     from megatron_logra.cli import FLAG_GROUPS
@@ -151,17 +157,20 @@ def test_a_field_is_named_as_its_flag():
     assert renamed == {"--optimizer": "OptimizerConfig.name", "--task": "DataConfig.tasks",
                        "--weight-sync": "WeightSyncConfig.transport",
                        "--sync-bucket-mb": "WeightSyncConfig.bucket_mb",
+                       "--reward": "VerifierConfig.reward",
                        "--dry-run": "DryRunConfig.enabled"}
-    assert {"kl", "weight_sync"} <= {f.name for f in dataclasses.fields(RLConfig)}
+    assert {"kl", "weight_sync", "rollout", "verifier", "objective", "staleness"} <= {
+        f.name for f in dataclasses.fields(RLConfig)}
     assert (KLControlConfig.FLAG_PREFIX, WeightSyncConfig.FLAG_PREFIX, LograConfig.FLAG_PREFIX,
-            LoraConfig.FLAG_PREFIX) == ("kl-", "weight-sync-", "logra-", "lora-")
+            LoraConfig.FLAG_PREFIX, EngineConfig.FLAG_PREFIX, VerifierConfig.FLAG_PREFIX) == (
+                "kl-", "weight-sync-", "logra-", "lora-", "rollout-", "verifier-")
     flags = {opt for action in build_parser()._actions for opt in action.option_strings}
     assert {"--kl-control", "--kl-budget", "--kl-budget-final", "--weight-sync",
             "--verifier-timeout"} <= flags
     cfg = parse_run_config(["--stage", "rl", "--kl-budget", "3e-4", "--kl-budget-final", "1e-5",
                             "--verifier-timeout", "5", "--weight-sync", "sparse-delta"],
                            world_size=1).rl
-    assert (cfg.kl.budget, cfg.kl.budget_final, cfg.verifier_timeout,
+    assert (cfg.kl.budget, cfg.kl.budget_final, cfg.verifier.timeout,
             cfg.weight_sync.transport) == (3e-4, 1e-5, 5.0, "sparse-delta")
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from checkpoints_tools import hf_to_megatron, megatron_to_hf
 from megatron_logra.model.tiny_assets import TINY_VARIANTS as FAMILIES
-from megatron_logra.model.tiny_assets import write_tiny_hf_checkpoint
+from megatron_logra.testing.tiny_checkpoint import write_tiny_hf_checkpoint
 
 
 def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:

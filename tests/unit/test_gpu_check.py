@@ -46,7 +46,8 @@ def test_device_independence_on_cpu_twice(check):
     assert report["devices"] == ["cpu", "cpu"] and report["ok"]
     assert set(report["cases"]) >= {"projection_rademacher", "projection_gaussian",
                                     "rounding_noise", "stochastic_round_bf16",
-                                    "apply_bf16_update"}
+                                    "stochastic_round_bf16_nonfinite", "apply_bf16_update",
+                                    "apply_bf16_update_nonfinite"}
     for name, case in report["cases"].items():
         assert case["bit_identical"] and case["ok"], name
     assert report["cases"]["projection_gaussian"]["max_ulp"] == 0
@@ -55,6 +56,9 @@ def test_device_independence_on_cpu_twice(check):
 def test_resume_is_bit_exact_for_every_variant(check):
     trainer = check["trainer"]
     assert trainer["backend"] == "gloo" and trainer["world_size"] == 1 and trainer["bf16"]
+    # cuBLAS's settings are recorded on CUDA only (reduced-precision reductions off there)
+    assert trainer["cublas_bf16_reduced_precision_reduction"] is None
+    assert trainer["tf32_matmul"] is None
     assert set(trainer["resume"]) == set(VARIANTS)
     for variant, run in trainer["resume"].items():
         straight = [s["loss"] for s in run["steps_uninterrupted"]]
@@ -124,3 +128,15 @@ def test_measured_peaks_are_compared_with_the_dry_runs(tmp_path, monkeypatch):
     assert got["lora"]["ok"] is False and "logra_fp32_master" not in got
     assert gpu_check.failed_checks({"memory": {"dry_run": got}}) == ["memory.dry_run.lora"]
     assert set(gpu_check.dry_run_comparison(measured, gpu_check.CPU, report)) == {"note"}
+
+
+def test_the_machine_packages_are_named_when_missing():
+    """What `make gpu-check` does not install must be on the GPU machine; a missing one is
+    named before any work (here: every one is importable, and a made-up one is not)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    assert gpu_check.missing_packages() == []
+    assert gpu_check.missing_packages(("numpy", "no_such_package_46")) == ["no_such_package_46"]

@@ -4,8 +4,12 @@ Each test names the failure a GPU run would meet without the fix: CPU tensors re
 a NCCL-only default group, vLLM's start-up memory check against an engine that shares
 the trainer's GPUs, vLLM's CPU token budget on a GPU, a silent K = 0 under predicted-KL
 control, two NCCL members on one GPU, a CPU-only vLLM patch applied on CUDA, pins that
-disagree with the versions the code checks, and megatron's CPU offload without its
-precision-aware optimizer (test_placement.py).
+disagree with the versions the code checks, megatron's CPU offload without its
+precision-aware optimizer (test_placement.py), bf16 bits that follow the device's NaN
+encoding, a package refused on Python 3.12, and a default-group timeout shorter than
+rank 0's phases with an error that does not say how to raise it. The weight group's
+NCCL settings and GPU check are test_weight_group.py's, engine starts and turns
+test_engine_starts.py's.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from megatron_logra.rollout.engine_memory import (ENGINE_OVERHEAD_BYTES, GIB,
                                                  engine_bytes, shared_gpu_utilization)
 from megatron_logra.rollout.server_process import server_argv
 from megatron_logra.rollout.placement import plan_placement
-from megatron_logra.rollout.types import EngineConfig
+from megatron_logra.rollout.types import ServerSpec
 from megatron_logra.cli import parse_run_config
 from megatron_logra.runtime import device, versions
 
@@ -90,19 +94,19 @@ def test_vllms_token_budget_is_the_cpu_workaround_on_cpu_only():
     max_model_len x max_num_seqs; on GPU vLLM's profiling run would allocate activations
     for that many tokens (half a million at the paper's settings), so its default stays,
     and the memory fraction sized by the trainer is passed (the server's command line)."""
-    cfg = EngineConfig("/m", max_model_len=4096, max_num_seqs=128, gpu_memory_utilization=0.4)
+    cfg = ServerSpec("/m", max_model_len=4096, max_num_seqs=128, gpu_memory_utilization=0.4)
     cpu = server_argv(cfg, 8000, cuda=False)
     assert _flag(cpu, "--max-num-batched-tokens") == str(4096 * 128)
     assert "--gpu-memory-utilization" not in cpu
     cuda = server_argv(cfg, 8000, cuda=True)
     assert "--max-num-batched-tokens" not in cuda
     assert _flag(cuda, "--gpu-memory-utilization") == "0.4"
-    assert "--gpu-memory-utilization" not in server_argv(EngineConfig("/m", max_model_len=8),
+    assert "--gpu-memory-utilization" not in server_argv(ServerSpec("/m", max_model_len=8),
                                                          8000, cuda=True)
     assert _flag(cuda, "--max-model-len") == "4096"
     assert _flag(cuda, "--kv-cache-memory-bytes") == str(GIB)
     assert _flag(cuda, "--load-format") == "dummy"  # the first push brings the weights
-    assert "--enable-sleep-mode" in server_argv(EngineConfig("/m", 8, sleep_mode=True), 1,
+    assert "--enable-sleep-mode" in server_argv(ServerSpec("/m", 8, sleep_mode=True), 1,
                                                 cuda=True)
 
 
@@ -248,3 +252,151 @@ def test_a_patch_applies_once_and_only_after_its_version_check(monkeypatch):
     apply()
     apply()
     assert calls == [1]
+
+
+# --- bf16 bits that do not depend on the device's float cast ----------------------------
+def _bits16(t: torch.Tensor) -> list[int]:
+    return [b & 0xFFFF for b in t.view(torch.int16).flatten().tolist()]
+
+
+def _float32(bits: list[int]) -> torch.Tensor:
+    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits],
+                        dtype=torch.int32).view(torch.float32)
+
+
+def test_stochastic_rounding_emits_bf16_by_integer_shift():
+    """Finite values: the emitted bf16 bits are the rounded fp32 bits' high half (numpy's
+    shift, the reference) and what an exact conversion gives (every rounded value is a
+    bf16 value), over normals, subnormals, zeros of both signs and the largest bf16."""
+    import numpy as np
+
+    from megatron_logra.logra.rounding import rounded_to_bf16_, stochastic_round_bits_
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(48, 96, generator=g) * torch.logspace(-44, 38, 48, dtype=torch.float32)[:, None]
+    x[0, :4] = torch.tensor([0.0, -0.0, 3.3895314e38, -1e-45])
+    rounded = stochastic_round_bits_(x.clone(), 9, torch.arange(48), 5)
+    assert torch.isfinite(rounded).all() and (rounded.view(torch.int32) & 0xFFFF).eq(0).all()
+    emitted = rounded_to_bf16_(rounded.clone())
+    reference = (rounded.numpy().view(np.int32) >> 16).astype(np.int16)
+    assert emitted.dtype == torch.bfloat16
+    assert np.array_equal(emitted.view(torch.int16).numpy(), reference)
+    assert torch.equal(emitted.view(torch.int16), rounded.to(torch.bfloat16).view(torch.int16))
+
+
+def test_nonfinite_values_give_fixed_bits_whatever_torchs_cast_gives(monkeypatch):
+    """torch's own fp32 -> bf16 cast encodes NaN by device (0xFFFF on this x86 CPU, a
+    positive canonical NaN on CUDA), so a bit-exact CPU/GPU comparison cannot go through
+    it: infinities keep their bits, every NaN (either sign, payload high or only in the
+    low 16 bits, which truncation would turn into an infinity) becomes 0x7FC0, on the
+    direct path and through the low-rank update alike, with torch's float -> bf16 cast
+    made to raise."""
+    from megatron_logra.logra.low_rank_apply import apply_bf16_update
+    from megatron_logra.logra.rounding import CANONICAL_NAN, stochastic_round_bf16
+
+    patterns = [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF,
+                0x7FFFFFFF, 0x3F800000]  # +inf, -inf, five NaNs, 1.0
+    values = _float32(patterns).reshape(1, -1)
+    expected = [0x7F80, 0xFF80] + [CANONICAL_NAN >> 16] * 5 + [0x3F80]
+    real_to, real_bf16 = torch.Tensor.to, torch.Tensor.bfloat16
+
+    def no_float_cast(self, *args, **kwargs):
+        target = kwargs.get("dtype") or next((a for a in args if isinstance(a, torch.dtype)),
+                                             None)
+        if target == torch.bfloat16 and self.is_floating_point():
+            raise AssertionError("a float -> bf16 cast decided bits")
+        return real_to(self, *args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, "to", no_float_cast)
+    monkeypatch.setattr(torch.Tensor, "bfloat16", lambda self: no_float_cast(self, torch.bfloat16))
+    got = _bits16(stochastic_round_bf16(values, 1, torch.zeros(1, dtype=torch.int64), 0))
+    assert got == expected, [hex(b) for b in got]
+    # bf16 weights [1, 8]: +-inf, NaNs of both signs (0x7F81: a payload in the low bits)
+    weight_bits = [0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x7F81, 0xFFFF, 0x7FFF, 0x3F80]
+    weight = torch.tensor([[b - (1 << 16) if b >= 1 << 15 else b for b in weight_bits]],
+                          dtype=torch.int16).view(torch.bfloat16)
+    d = torch.zeros(1, 4, dtype=torch.bfloat16)
+    apply_bf16_update(weight, d, 1.0, 7, rank=4, kind="rademacher",
+                      global_rows=torch.zeros(1, dtype=torch.int64), col_offset=0)
+    assert _bits16(weight) == expected
+
+
+# --- Python 3.12 (the GPU machine's, current CUDA images') ------------------------------
+def test_the_package_admits_python_312_while_the_cpu_lock_stays_311():
+    from packaging.specifiers import SpecifierSet
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    python = SpecifierSet(project["requires-python"])
+    assert python.contains("3.11.9") and python.contains("3.12.7")
+    assert not python.contains("3.10.14")
+    lock = (REPO / "requirements/lock.txt").read_text()
+    assert "(Python 3.11, x86-64)" in lock.splitlines()[0] and "torch==2.13.0+cpu" in lock
+    assert "PYTHON ?= python3.11" in (REPO / "Makefile").read_text()
+
+
+# --- the default group's timeout: a flag, and an error naming it ------------------------
+def test_the_default_group_timeout_is_a_flag(monkeypatch):
+    """Rank 0 alone starts an engine (up to its own 10-minute bound) or generates an
+    evaluation while the others wait in a collective: 10 minutes (torch's default) is too
+    short at 7B; the flag reaches init_process_group, and prepare_training passes it."""
+    from megatron_logra.training import prepare
+
+    assert parse_run_config([], world_size=1).training.distributed_timeout_minutes == 60
+    cfg = parse_run_config(["--distributed-timeout-minutes", "90"], world_size=1)
+    assert cfg.training.distributed_timeout_minutes == 90
+    with pytest.raises(ValueError, match="--distributed-timeout-minutes"):
+        parse_run_config(["--distributed-timeout-minutes", "0"], world_size=1)
+    calls = {}
+    monkeypatch.setattr(device, "_RUNTIME", None)
+    monkeypatch.setattr(device.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(device.dist, "init_process_group",
+                        lambda **kw: calls.setdefault("init", kw))
+    monkeypatch.setattr(device.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(device.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(device.atexit, "register", lambda fn: None)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    rt = device.init_runtime(90)
+    assert calls["init"]["timeout"] == datetime.timedelta(minutes=90)
+    assert rt.timeout_minutes == 90 == device.collective_timeout_minutes()
+    seen = []
+
+    def stop(minutes):
+        seen.append(minutes)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(prepare, "init_runtime", stop)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.prepare_training(cfg)
+    assert seen == [90]
+
+
+def test_a_collective_timeout_names_the_flag(monkeypatch):
+    """gloo's timeout (its message as a 2-process group with a 2 s timeout raised it
+    here, rank 0 busy) becomes an error naming --distributed-timeout-minutes and its value;
+    other failures pass unchanged."""
+    from megatron_logra.runtime import collectives
+
+    monkeypatch.setattr(device, "_RUNTIME", device.Runtime(torch.device("cpu"), "gloo", 1, 2, 1,
+                                                           timeout_minutes=60))
+    monkeypatch.setattr(collectives.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(collectives.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(collectives.dist, "get_rank", lambda group=None: 1)
+
+    def timed_out(*args, **kwargs):
+        raise RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+                           "unbound_buffer.cc:78] Timed out waiting 2000ms for recv "
+                           "operation to complete")
+    monkeypatch.setattr(collectives.dist, "broadcast_object_list", timed_out)
+    monkeypatch.setattr(collectives.dist, "all_gather_object", timed_out)
+    with pytest.raises(collectives.CollectiveTimeout,
+                       match=r"Timed out waiting 2000ms.*timeout \(now 60 min\).*rank 0 "
+                             r"alone.*raise --distributed-timeout-minutes"):
+        collectives.from_rank0(lambda: 1)
+    with pytest.raises(collectives.CollectiveTimeout, match="--distributed-timeout-minutes"):
+        collectives.every_rank(1)
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:48517")
+    monkeypatch.setattr(collectives.dist, "broadcast_object_list", closed)
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as info:
+        collectives.from_rank0(lambda: 1)
+    assert type(info.value) is RuntimeError

@@ -13,7 +13,6 @@ import torch
 from megatron_logra.model.arch import arch_from_hf_config
 from megatron_logra.model.hf_mapping import (
     hf_from_megatron,
-    hf_param_names,
     interleave_qkv,
     megatron_from_hf,
     megatron_param_names,
@@ -22,6 +21,26 @@ from megatron_logra.model.hf_mapping import (
 from megatron_logra.model.tiny_assets import tiny_hf_config
 
 TOL = 1e-5
+
+
+def hf_param_names(arch) -> list[str]:
+    """Every HF tensor name the model needs, listed by hand (the reference the mapping's
+    round trip must produce)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + s for s in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                  "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                  "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                                  "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                  "mlp.down_proj.weight")]
+        if arch.qkv_bias:
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if arch.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    if not arch.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
 
 
 def _hf_model(family: str, **arch):

@@ -94,7 +94,7 @@ def test_sketched_weights_get_no_dense_gradient_anywhere(setup):
         assert not weight.requires_grad and weight.grad is None
         assert getattr(weight, "main_grad", None) is None and id(weight) not in buffer_params
     # the dense optimizer holds no sketched weight, nor any state tensor of a sketched shape
-    from megatron_logra.training.megatron_optimizer import torch_optimizers
+    from megatron_logra.runtime.megatron_optimizer import torch_optimizers
 
     sketched_ids = {id(p) for p in sketched.optimizer.sketches.params}
     shapes = {tuple(p.shape) for p in sketched.optimizer.sketches.params}

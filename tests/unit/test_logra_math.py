@@ -150,8 +150,7 @@ def test_rows_without_gradient_get_a_zero_direction_not_nan():
         row_adam.update_row_moments(v, s, 0.95)
         rho = row_adam.row_scale(v, 1, 0.95)
         d = row_adam.direction(s, rho, float(rho.mean()), 1e-8)
-        d_inplace = row_adam.direction_(s.clone(), rho, float(rho.mean()), 1e-8)
-        assert torch.isfinite(d).all() and torch.equal(d, d_inplace)
+        assert torch.isfinite(d).all()
         assert torch.equal(d[0], torch.zeros(8))
 
 

@@ -31,7 +31,7 @@ def exported(tmp_path_factory):
     from megatron_logra.cli import parse_run_config
     from megatron_logra.convert.pipeline import megatron_to_hf
     from megatron_logra.model.logits import model_logits
-    from megatron_logra.model.tiny_assets import write_tiny_hf_checkpoint
+    from megatron_logra.testing.tiny_checkpoint import write_tiny_hf_checkpoint
     from megatron_logra.training.sft import run_sft
 
     tmp = tmp_path_factory.mktemp("lora_export")

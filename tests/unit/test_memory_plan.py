@@ -9,7 +9,7 @@ import pytest
 
 from megatron_logra.cli import ConfigError, parse_run_config
 from megatron_logra.memory.inventory import ROLES, model_of, rank_params
-from megatron_logra.memory.projection import (GIB, cli_accepts, engine_share, placements,
+from megatron_logra.memory.forecast import (GIB, cli_accepts, engine_share, placements,
                                               sync_bytes)
 from megatron_logra.memory.rank_bytes import model_state, plan
 from megatron_logra.memory.shapes import shape_dir
@@ -140,16 +140,16 @@ def test_the_27b_recipes_place_the_engine_where_the_plan_fits(method, variant, f
     model = Path(shape_dir("qwen3-27b"))  # the plan's own shape (assets/qwen3-27b)
     cfg = parse_run_config(["--config", str(recipe), "--model-dir", str(model)], world_size=8)
     rl, par = cfg.rl, cfg.parallel
-    engine = engine_share("qwen3-27b", rl.rollout_tensor_parallel_size)
+    engine = engine_share("qwen3-27b", rl.rollout.tensor_parallel_size)
     # the recipe's KV cache is the plan's: the whole rollout batch at once
-    assert rl.rollout_kv_cache_gib * GIB >= engine["kv_cache"]
-    pair = (f"engine TP{rl.rollout_tensor_parallel_size} + TP{par.tensor_model_parallel_size} "
+    assert rl.rollout.kv_cache_gib * GIB >= engine["kv_cache"]
+    pair = (f"engine TP{rl.rollout.tensor_parallel_size} + TP{par.tensor_model_parallel_size} "
             f"PP{par.pipeline_model_parallel_size} DP{par.data_parallel_size(8)}")
     fitting = placements([80.0, 141.0], models=("27B",), variants=(variant,))
     for gib in (80.0, 141.0):
-        fits = pair in fitting["27B"][variant][f"{gib:g}gib"][rl.rollout_placement]
+        fits = pair in fitting["27B"][variant][f"{gib:g}gib"][rl.rollout.placement]
         assert fits == (gib in fits_on), (pair, gib)
-    placement = plan_placement(rl.rollout_placement, rl.rollout_devices,
-                               engine_tp=rl.rollout_tensor_parallel_size, cuda=True,
+    placement = plan_placement(rl.rollout.placement, rl.rollout.devices,
+                               engine_tp=rl.rollout.tensor_parallel_size, cuda=True,
                                node_devices=list(range(8)), local_world_size=8)
     assert placement.sleep_mode

@@ -21,21 +21,15 @@ import pytest
 
 from megatron_logra.cli import parse_run_config
 from megatron_logra.config import OptimizerConfig
-from megatron_logra.model.tiny_assets import tiny_hf_config
+from megatron_logra.memory.shapes import PAPER_SHAPES, hf_config
 from megatron_logra.training.build import build_scheduler
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "launch" / "paper_table1.sh"
-SHAPES = {  # the model shapes of the paper's sizes (Qwen2.5-1.5B, Qwen2.5-7B, a Qwen3 27B)
-    "1.5B": ("qwen2", dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
-                           intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768)),
-    "7B": ("qwen2", dict(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
-                         intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
-                         max_position_embeddings=32768)),
-    "27B": ("qwen3", dict(hidden_size=5376, num_layers=62, num_heads=32, num_kv_heads=16,
-                          head_dim=128, intermediate_size=21504, vocab_size=262144,
-                          max_position_embeddings=32768)),
-}
+def paper_shape(size: str) -> dict:
+    """The HF config.json of the paper's ``size`` (``memory.shapes.PAPER_SHAPES``), its
+    positions enough for the recipes' --seq-length 4096."""
+    return hf_config(PAPER_SHAPES[size], max_position_embeddings=32768)
 
 
 def _command(size: str, method: str, seed: int, model: Path) -> list[str]:
@@ -47,13 +41,12 @@ def _command(size: str, method: str, seed: int, model: Path) -> list[str]:
     return argv[4:]
 
 
-@pytest.mark.parametrize("size", list(SHAPES))
+@pytest.mark.parametrize("size", list(PAPER_SHAPES))
 @pytest.mark.parametrize("method", ["dense", "logra"])
 def test_table1_commands_pass_the_launchers_checks(tmp_path, size, method):
-    family, shape = SHAPES[size]
     model = tmp_path / size
     model.mkdir()
-    (model / "config.json").write_text(json.dumps(tiny_hf_config(family, **shape)))
+    (model / "config.json").write_text(json.dumps(paper_shape(size)))
     argv = _command(size, method, 42, model)
     i = argv.index("--load")
     argv[i:i + 2] = ["--model-dir", str(model)]  # a shape without weights: check the flags
@@ -62,12 +55,12 @@ def test_table1_commands_pass_the_launchers_checks(tmp_path, size, method):
     assert cfg.parallel.data_parallel_size(8) * cfg.parallel.tensor_model_parallel_size * \
         cfg.parallel.pipeline_model_parallel_size == 8
     assert (rl.algorithm, rl.prompts_per_step, rl.responses_per_prompt) == ("reinforce", 128, 1)
-    assert (rl.failure_reward, rl.baseline_decay, rl.tis_cap, rl.temperature) == (
+    assert (rl.failure_reward, rl.baseline_decay, rl.objective.tis_cap, rl.temperature) == (
         -0.01, 0.9, 2.0, 1.0)
     assert (rl.eval_interval, rl.eval_samples, rl.eval_temperature, rl.eval_top_p) == (
         5, 4, 0.7, 0.7)
     assert cfg.training.seq_length == 4096 and cfg.training.recompute_activations
-    assert cfg.training.seed == rl.rollout_seed == 42 and cfg.training.train_iters == 200
+    assert cfg.training.seed == rl.rollout.seed == 42 and cfg.training.train_iters == 200
     if method == "dense":
         assert (opt.name, opt.lr, opt.adam_beta2, opt.clip_grad, opt.lr_warmup_iters,
                 opt.lr_decay_iters, opt.min_lr) == ("adam", 1e-6, 0.95, 0.0, 9, 300, 1e-7)

@@ -78,7 +78,7 @@ def test_flags_reach_the_config_and_are_checked_at_parse():
           "--micro-batch-size", "4"]
     cfg = parse_run_config([*rl, "--rollout-placement", "dedicated", "--rollout-devices",
                             "6,7"], world_size=1)
-    assert (cfg.rl.rollout_placement, cfg.rl.rollout_devices) == ("dedicated", "6,7")
+    assert (cfg.rl.rollout.placement, cfg.rl.rollout.devices) == ("dedicated", "6,7")
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         parse_run_config([*rl, "--rollout-placement", "elsewhere"], world_size=1)
     for argv, why in ((["--rollout-placement", "dedicated"], "needs --rollout-devices"),
@@ -159,3 +159,34 @@ def test_replica_layouts_refused_with_the_fix():
     inherit_cpu = plan_placement("inherit", "", engine_tp=1, cuda=False, node_devices=[0, 1],
                                  local_world_size=2)
     assert split_replicas(inherit_cpu, 2, 1, cuda=False, node_devices=[0, 1]) == [inherit_cpu] * 2
+
+
+def test_engines_get_physical_gpu_ids_under_a_partial_allocation():
+    """A job given physical GPUs 4 and 5 (Slurm: CUDA_VISIBLE_DEVICES=4,5) sees them as 0 and
+    1; the engine process reads its CUDA_VISIBLE_DEVICES as physical ids, so each visible
+    index is translated back, on the dedicated and on the colocated path alike."""
+    from megatron_logra.rollout.placement import split_replicas
+
+    two = [0, 1]
+    dedicated = plan_placement("dedicated", "1", engine_tp=1, cuda=True, node_devices=two,
+                               local_world_size=1, visible="4,5")
+    assert dedicated.devices == (1,) and dedicated.env == {"CUDA_VISIBLE_DEVICES": "5"}
+    colocated = plan_placement("colocated", "", engine_tp=1, cuda=True, node_devices=two,
+                               local_world_size=2, visible="4,5", replicas=2)
+    shares = split_replicas(colocated, 2, 1, cuda=True, node_devices=two, visible="4,5")
+    assert [s.devices for s in shares] == [(0,), (1,)]  # visible indices (trainer ranks')
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in shares] == ["4", "5"]  # physical ids
+    # one colocated engine inherits rank 0's list whole: TP rank i on visible GPU i
+    alone = split_replicas(plan_placement("colocated", "", engine_tp=2, cuda=True,
+                                          node_devices=two, local_world_size=2,
+                                          visible="4,5"), 1, 2, cuda=True, node_devices=two,
+                           visible="4,5")
+    assert alone[0].env == {} and alone[0].devices == ()
+    # the list may name GPUs by UUID; without one the indices are the physical ids
+    uuids = split_replicas(colocated, 2, 1, cuda=True, node_devices=two,
+                           visible="GPU-aa, GPU-bb")
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in uuids] == ["GPU-aa", "GPU-bb"]
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in split_replicas(
+        colocated, 2, 1, cuda=True, node_devices=two)] == ["0", "1"]
+    with pytest.raises(ValueError, match=r"not in node 0's CUDA_VISIBLE_DEVICES=4 "):
+        split_replicas(colocated, 2, 1, cuda=True, node_devices=two, visible="4")

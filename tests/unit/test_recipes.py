@@ -12,13 +12,11 @@ import pytest
 
 from megatron_logra.cli import build_parser, parse_run_config
 from megatron_logra.config_file import file_tokens
-from megatron_logra.model.tiny_assets import tiny_hf_config
-from test_paper_recipe import SHAPES  # the paper's model shapes
+from megatron_logra.memory.shapes import PAPER_SHAPES, hf_config
+from test_paper_recipe import paper_shape  # the paper's model shapes
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if not p.name.startswith("_"))
-SMOLLM2 = dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
-               intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192)
 
 
 def _world_size(recipe: Path) -> int:
@@ -55,8 +53,9 @@ def test_recipe_passes_the_launchers_checks(tmp_path, recipe):
         model = tmp_path / "model"
         model.mkdir()
         size = recipe.stem.split("-")[-1]
-        shape = SHAPES.get(size.upper(), ("llama", SMOLLM2))
-        (model / "config.json").write_text(json.dumps(tiny_hf_config(shape[0], **shape[1])))
+        config = paper_shape(size.upper()) if size.upper() in PAPER_SHAPES else \
+            hf_config("smollm2-135m", max_position_embeddings=8192)
+        (model / "config.json").write_text(json.dumps(config))
         argv += ["--model-dir", str(model)]
     cfg = parse_run_config(argv, world_size=_world_size(recipe))
     # what the recipes promise (their comments): the method they name

@@ -13,7 +13,7 @@ import torch
 
 from megatron_logra.cli import ConfigError, parse_run_config
 from megatron_logra.rl import advantages as adv
-from megatron_logra.rl import rollouts
+from megatron_logra.rl import prompts_and_scores
 from megatron_logra.rl.config import PolicyObjective, RLConfig
 from megatron_logra.rl.objective import objective_terms
 
@@ -28,9 +28,9 @@ ADV = torch.tensor([1.5, -0.8])
 TOKENS = [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2)]
 
 
-def _run(obj: PolicyObjective, logp=LOGP, old=OLD):
+def _run(obj: PolicyObjective, logp=LOGP, old=OLD, max_new_tokens=1):
     x = logp.clone().requires_grad_(True)
-    terms = objective_terms(obj, x, old, ROLLOUT, ADV, MASK)
+    terms = objective_terms(obj, x, old, ROLLOUT, ADV, MASK, max_new_tokens)
     (terms.numerator / terms.denominator).backward()
     return terms, x.grad
 
@@ -43,13 +43,19 @@ def _r(i, t):
     return math.exp(LOGP[i, t] - OLD[i, t])
 
 
+def _reinforce_loss_sum(logprobs, advantages, mask, weights):
+    """The loss the trainer had before the switches: sum over generated tokens of
+    -w A log pi (logprobs [B, T] with grad, advantages [B], mask and weights [B, T])."""
+    return (-advantages[:, None] * logprobs * mask * weights).sum()
+
+
 def test_one_step_is_reinforce_with_tis():
-    """old = logp (one step per batch): value sum(-w A), gradient of -w A log pi, the loss
-    the trainer had before the switches (``policy_gradient_loss_sum``)."""
+    """old = logp (one step per batch): value sum(-w A), gradient of -w A log pi, the
+    REINFORCE/GRPO loss with truncated importance weights (``_reinforce_loss_sum``)."""
     terms, grad = _run(PolicyObjective(tis_cap=2.0), old=LOGP.detach())
     w = torch.exp(LOGP - ROLLOUT).clamp(max=2.0)
     x = LOGP.clone().requires_grad_(True)
-    (adv.policy_gradient_loss_sum(x, ADV, MASK, w) / MASK.sum()).backward()
+    (_reinforce_loss_sum(x, ADV, MASK, w) / MASK.sum()).backward()
     assert torch.allclose(grad, x.grad, atol=1e-7)
     hand = sum(-ADV[i] * min(math.exp(LOGP[i, t] - ROLLOUT[i, t]), 2.0) for i, t in TOKENS)
     assert float(terms.numerator.detach()) == pytest.approx(float(hand), rel=1e-6)
@@ -61,7 +67,7 @@ def test_ppo_clipping_with_clip_higher(high):
     """Token ratios 1.35, 0.70, 1.25 (A = +1.5) and 0.95, 1.10 (A = -0.8), bounds
     [0.8, 1 + high]: 1.35 is clipped (no gradient), 1.25 only when high = 0.2; 0.70 with
     A > 0 is not (the unclipped term is the larger); A < 0 tokens stay inside."""
-    terms, grad = _run(PolicyObjective(tis_cap=2.0, clip_low=0.2, clip_high=high))
+    terms, grad = _run(PolicyObjective(tis_cap=2.0, clip_ratio_low=0.2, clip_ratio_high=high))
     value, expected_grad, clipped = 0.0, torch.zeros_like(LOGP), set()
     for i, t in TOKENS:
         a, r = float(ADV[i]), _r(i, t)
@@ -81,8 +87,8 @@ def test_gspo_sequence_ratio_and_seq_mean_token_mean():
     """GSPO: s_i = exp(mean of i's log-ratios), one clipped term per response, the mean of
     its tokens' terms, averaged over responses; gradient -A s_i / n_i on each token (0 when
     clipped)."""
-    obj = PolicyObjective(tis_cap=None, clip_low=0.05, clip_high=0.1, ratio_level="sequence",
-                          loss_agg_mode="seq-mean-token-mean")
+    obj = PolicyObjective(tis_cap=None, clip_ratio_low=0.05, clip_ratio_high=0.1,
+                          importance_ratio_level="sequence", loss_agg_mode="seq-mean-token-mean")
     terms, grad = _run(obj)
     s0 = math.exp((math.log(1.35) + math.log(0.70) + math.log(1.25)) / 3)  # 1.0513: inside
     s1 = math.exp((math.log(0.95) + math.log(1.10)) / 2)  # 1.0223: inside
@@ -95,8 +101,8 @@ def test_gspo_sequence_ratio_and_seq_mean_token_mean():
     expected[1, 1:3] = 0.8 * s1 / 2 / 2
     assert torch.allclose(grad, expected, atol=1e-7)
     # a tighter bound clips response 0 (A > 0, s0 > 1 + 0.03): its tokens get no gradient
-    terms, grad = _run(PolicyObjective(tis_cap=None, clip_low=0.03, clip_high=0.03,
-                                       ratio_level="sequence",
+    terms, grad = _run(PolicyObjective(tis_cap=None, clip_ratio_low=0.03, clip_ratio_high=0.03,
+                                       importance_ratio_level="sequence",
                                        loss_agg_mode="seq-mean-token-mean"))
     assert grad[0].abs().sum() == 0 and grad[1].abs().sum() > 0
     assert int(terms.clipped.sum()) == 3
@@ -105,7 +111,7 @@ def test_gspo_sequence_ratio_and_seq_mean_token_mean():
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                   "seq-mean-token-sum-norm"])
 def test_loss_aggregations(mode):
-    terms, _ = _run(PolicyObjective(tis_cap=2.0, loss_agg_mode=mode, max_new_tokens=8))
+    terms, _ = _run(PolicyObjective(tis_cap=2.0, loss_agg_mode=mode), max_new_tokens=8)
     per_token = {(i, t): _w(i, t) * -float(ADV[i]) * _r(i, t) for i, t in TOKENS}
     seq_sum = [sum(v for (i, _), v in per_token.items() if i == k) for k in (0, 1)]
     expected = {"token-mean": (sum(per_token.values()), 5),
@@ -123,23 +129,24 @@ def test_dr_grpo_advantages_are_not_scaled_by_std():
 
 
 def test_dynamic_sampling_keeps_groups_with_signal_and_fills_the_rest():
-    assert rollouts.has_signal([0.0, 1.0]) and not rollouts.has_signal([1.0, 1.0, 1.0])
+    has_signal, fill_groups = prompts_and_scores.has_signal, prompts_and_scores.fill_groups
+    assert has_signal([0.0, 1.0]) and not has_signal([1.0, 1.0, 1.0])
     kept, dropped = ["a", "b"], ["x", "y", "z"]
-    assert rollouts.fill_groups(kept, dropped, 4) == (["a", "b", "x", "y"], 2)
-    assert rollouts.fill_groups(kept + ["c", "d", "e"], dropped, 4) == (["a", "b", "c", "d"], 4)
+    assert fill_groups(kept, dropped, 4) == (["a", "b", "x", "y"], 2)
+    assert fill_groups(kept + ["c", "d", "e"], dropped, 4) == (["a", "b", "c", "d"], 4)
 
 
 def test_later_rounds_draw_their_own_prompts_and_seeds():
-    prompts = [rollouts.Prompt(None, [k]) for k in range(50)]
-    cfg = RLConfig(prompts_per_step=4, responses_per_prompt=2)
-    first, req0 = rollouts.step_requests(prompts, cfg, 3, 11)
-    again, _ = rollouts.step_requests(prompts, cfg, 3, 11, 0)
-    second, req1 = rollouts.step_requests(prompts, cfg, 3, 11, 1)
+    prompts = [prompts_and_scores.Prompt(None, [k]) for k in range(50)]
+    cfg = RLConfig(prompts_per_step=4, responses_per_prompt=2)  # --rollout-seed 0
+    first, req0 = prompts_and_scores.step_requests(prompts, cfg, 3, 11)
+    again, _ = prompts_and_scores.step_requests(prompts, cfg, 3, 11, 0)
+    second, req1 = prompts_and_scores.step_requests(prompts, cfg, 3, 11, 1)
     assert first == again and first != second
     seeds = [r.seed for r in req0 + req1]
     assert len(set(seeds)) == len(seeds) == 16
     # round 0 is the update's batch as before the switches: seeds of prompts 0..P-1
-    assert [r.seed for r in req0] == [rollouts.sample_seed(0, 3, i, j)
+    assert [r.seed for r in req0] == [prompts_and_scores.sample_seed(0, 3, i, j)
                                       for i in range(4) for j in range(2)]
 
 
@@ -155,9 +162,9 @@ def test_recipe_flags_build_the_objective():
                             "--dynamic-sampling", "--dynamic-sampling-max-rounds", "4",
                             "--optimizer", "logra"], world_size=2)
     assert cfg.rl.steps_per_update == 4 and cfg.rl.dynamic_sampling_max_rounds == 4
-    assert cfg.rl.policy_objective() == PolicyObjective(
-        tis_cap=2.0, clip_low=0.2, clip_high=0.28, ratio_level="sequence",
-        loss_agg_mode="seq-mean-token-sum-norm", max_new_tokens=64)
+    assert cfg.rl.objective == PolicyObjective(
+        tis_cap=2.0, clip_ratio_low=0.2, clip_ratio_high=0.28, importance_ratio_level="sequence",
+        loss_agg_mode="seq-mean-token-sum-norm")
     assert not cfg.rl.grpo_std_norm
 
 

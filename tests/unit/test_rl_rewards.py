@@ -12,7 +12,8 @@ from megatron_logra.rl import advantages as adv
 from megatron_logra.data.tasks import PRESETS, resolve_tasks
 from megatron_logra.data.tasks import TaskItem as RLItem
 from megatron_logra.data.tasks import generate_items as generate_rl_items
-from megatron_logra.rl.verifiers import Verifier, VerifierConfig, extract_answer
+from megatron_logra.rl.config import VerifierConfig
+from megatron_logra.rl.verifiers import Verifier, extract_answer
 from megatron_logra.runtime.sandbox import SandboxLimits
 
 
@@ -34,7 +35,7 @@ def test_answer_extraction_takes_the_last_tag():
 
 @pytest.fixture(scope="module")
 def verifier():
-    v = Verifier(VerifierConfig(timeout_s=20.0))
+    v = Verifier(VerifierConfig(timeout=20.0))
     yield v
     v.close()
 
@@ -53,8 +54,8 @@ def test_reasoning_gym_and_math_answers_are_scored_by_their_own_scorers(verifier
 
 def test_partial_credit_and_binary_threshold():
     item = RLItem("fake", "q", "a", 0, {})
-    binary = Verifier(VerifierConfig(timeout_s=20.0), score_fn=misbehaving)
-    partial = Verifier(VerifierConfig(reward="partial", timeout_s=20.0), score_fn=misbehaving)
+    binary = Verifier(VerifierConfig(timeout=20.0), score_fn=misbehaving)
+    partial = Verifier(VerifierConfig(reward="partial", timeout=20.0), score_fn=misbehaving)
     try:
         assert binary.score(item, "0.5").reward == 0.0
         assert binary.score(item, "1.0").reward == 1.0
@@ -67,7 +68,7 @@ def test_partial_credit_and_binary_threshold():
 
 def test_hanging_crashing_and_raising_scorers_cost_one_zero_reward_each():
     item = RLItem("fake", "q", "a", 7, {})
-    v = Verifier(VerifierConfig(timeout_s=3.0), score_fn=misbehaving)
+    v = Verifier(VerifierConfig(timeout=3.0), score_fn=misbehaving)
     try:
         assert v.score(item, "1.0").reward == 1.0  # also warms the child up
         hang = v.score(item, "hang")
@@ -90,7 +91,7 @@ def test_scorers_that_flood_escape_or_return_garbage_cost_one_zero_reward_each(t
     item = RLItem("fake", "q", "a", 3, {})
     outside = tmp_path / "escaped.txt"
     limits = SandboxLimits(memory_gib=2.0, file_mb=1.0)
-    v = Verifier(VerifierConfig(timeout_s=20.0, limits=limits), score_fn=misbehaving)
+    v = Verifier(VerifierConfig(timeout=20.0, limits=limits), score_fn=misbehaving)
     try:
         assert v.score(item, "1.0").reward == 1.0
         statuses = {answer: v.score(item, answer).status
@@ -109,10 +110,10 @@ def test_scorers_that_flood_escape_or_return_garbage_cost_one_zero_reward_each(t
 
 
 def test_bad_verifier_settings_are_refused():
-    with pytest.raises(ValueError, match="choose binary or partial"):
-        Verifier(VerifierConfig(reward="soft"))
-    with pytest.raises(ValueError, match="must be > 0 seconds"):
-        Verifier(VerifierConfig(timeout_s=0))
+    with pytest.raises(ValueError, match="--reward 'soft': choose from binary, partial"):
+        VerifierConfig(reward="soft")
+    with pytest.raises(ValueError, match="--verifier-timeout 0: must be > 0 seconds"):
+        VerifierConfig(timeout=0)
 
 
 def test_grpo_advantages_by_hand():
@@ -149,20 +150,26 @@ def test_running_baseline_by_hand_and_its_state():
 
 
 def test_truncated_importance_weights_and_loss_by_hand():
+    """``rl.objective`` with one step per batch: w = min(pi_train / pi_rollout, cap), no
+    gradient through it, and the loss -w A log pi over the generated tokens only."""
+    from megatron_logra.rl.config import PolicyObjective
+    from megatron_logra.rl.objective import objective_terms
+
     train = torch.tensor([[math.log(0.5), math.log(0.9)]], requires_grad=True)
     rollout = torch.tensor([[math.log(0.25), math.log(0.3)]])
-    w = adv.truncated_importance_weights(train, rollout, cap=2.5)
+    mask = torch.tensor([[1.0, 0.0]])
+    terms = objective_terms(PolicyObjective(tis_cap=2.5), train, train.detach(), rollout,
+                            torch.tensor([3.0]), mask)
+    w = terms.weights
     assert torch.allclose(w, torch.tensor([[2.0, 2.5]]))  # 0.5/0.25 = 2; 0.9/0.3 = 3 -> cap
     assert not w.requires_grad
-    mask = torch.tensor([[1.0, 0.0]])
-    loss = adv.policy_gradient_loss_sum(train, torch.tensor([3.0]), mask, w)
-    assert torch.isclose(loss, torch.tensor(-3.0 * 2.0 * math.log(0.5)))
-    loss.backward()
+    assert float(terms.denominator) == 1
+    # value -w A r with r = 1, gradient -w A d log pi
+    assert torch.isclose(terms.numerator, torch.tensor(-3.0 * 2.0))
+    terms.numerator.backward()
     assert torch.allclose(train.grad, torch.tensor([[-6.0, 0.0]]))  # masked token: no grad
-    mism = adv.logprob_mismatch(train.detach(), rollout, torch.ones(1, 2))
-    assert math.isclose(mism, (math.log(2.0) + math.log(3.0)) / 2, rel_tol=1e-6)
-    with pytest.raises(ValueError, match="cap must be > 0"):
-        adv.truncated_importance_weights(train, rollout, cap=0.0)
+    with pytest.raises(ValueError, match="--tis-cap must be >= 0"):
+        PolicyObjective(tis_cap=-1.0)
 
 
 def test_rollouts_become_aligned_microbatches():
@@ -183,7 +190,7 @@ def test_rollouts_become_aligned_microbatches():
 
 def test_pass_at_k_and_prompt_order():
     from megatron_logra.data.sft import batch_indices
-    from megatron_logra.rl.rollouts import pass_at, sample_seed
+    from megatron_logra.rl.prompts_and_scores import pass_at, sample_seed
 
     p1, pk = pass_at([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.5, 1.0]])
     assert (round(p1, 6), round(pk, 6)) == (round((0.25 + 0 + 0.75) / 3, 6), round(2 / 3, 6))
@@ -197,7 +204,7 @@ def test_pass_at_k_and_prompt_order():
 def test_gains_and_their_standard_errors_match_the_textbook_formulas():
     import statistics
 
-    from megatron_logra.rl.rollouts import prompt_pass_rates
+    from megatron_logra.rl.prompts_and_scores import prompt_pass_rates
     from megatron_logra.rl.stats import mean_gain, paired_gain
 
     assert prompt_pass_rates([[1.0, 0.0, 0.5, 1.0], [0.0, 0.0]]) == [0.5, 0.0]

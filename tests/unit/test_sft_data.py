@@ -11,7 +11,7 @@ sentencepiece ``tokenizer.model`` round-trips text and is picked up from a folde
 import pytest
 import torch
 
-from megatron_logra.data.sft import EncodedSample, SFTBatches, collate, encode_sft
+from megatron_logra.data.sft import EncodedSample, SFTBatches, answer_tokens, collate, encode_sft
 from megatron_logra.data.tasks import TaskItem, generate_items, mixture_counts
 from megatron_logra.data.tokenizer import SentencePieceTokenizer, load_tokenizer
 from megatron_logra.model.tiny_assets import EMBEDDED_DEFAULT
@@ -121,7 +121,8 @@ def test_samples_without_an_answer_token_are_left_out_and_none_left_is_an_error(
     data = SFTBatches([fits, cut, fits], global_batch_size=2, micro_batch_size=1,
                       seq_length=4, pad_id=0, seed=3)
     assert data.dropped == 1 and data.samples == [fits, fits]
-    assert all(data.tokens_in_step(s) == 4 for s in range(5))
+    assert all(sum(answer_tokens(data.samples[i], 4) for i in data.global_indices(s)) == 4
+               for s in range(5))
     with pytest.raises(ValueError, match="--seq-length 4 keeps no answer token.*at least 6"):
         SFTBatches([cut], global_batch_size=1, micro_batch_size=1, seq_length=4, pad_id=0,
                    seed=3)

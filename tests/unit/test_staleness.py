@@ -1,13 +1,14 @@
 """Staleness of asynchronous rollouts (``rl.staleness``) and the fixed split of requests
-over engine replicas (``rollout.engine_link.split_evenly``)."""
+over engine replicas (``rollout.engines.split_evenly``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from megatron_logra.rl.policy_loss import RolloutSample, collate_rollouts
-from megatron_logra.rl.staleness import StalenessBound, UpdateKL, apply_bound
-from megatron_logra.rollout.engine_link import split_evenly
+from megatron_logra.rl.config import StalenessConfig
+from megatron_logra.rl.staleness import UpdateKL, apply_bound
+from megatron_logra.rollout.engines import split_evenly
 
 
 def _sample(version: int) -> RolloutSample:
@@ -27,7 +28,7 @@ def test_kl_since_sums_realized_else_predicted_and_knows_what_it_lacks():
 def test_samples_beyond_the_version_bound_never_reach_the_loss():
     kl = UpdateKL({5: 0.01, 6: 0.01, 7: 0.01})
     samples = [_sample(8), _sample(7), _sample(6), _sample(5)]
-    out, stats = apply_bound(samples, 8, kl, StalenessBound(max_versions=2))
+    out, stats = apply_bound(samples, 8, kl, StalenessConfig(True, max_staleness=2))
     assert [s.weight for s in out] == [1.0, 1.0, 1.0, 0.0]
     assert stats["stale_dropped_versions"] == 1 and stats["staleness_max"] == 3
     assert stats["staleness_mean"] == pytest.approx(1.5)
@@ -38,13 +39,15 @@ def test_samples_beyond_the_version_bound_never_reach_the_loss():
 def test_kl_bound_drops_or_downweights_and_counts():
     kl = UpdateKL({5: 0.004, 6: 0.004, 7: 0.004})
     samples = [_sample(8), _sample(7), _sample(6), _sample(5)]  # KL 0, .004, .008, .012
-    dropped, stats = apply_bound(samples, 8, kl, StalenessBound(3, max_kl=0.006))
+    dropped, stats = apply_bound(samples, 8, kl, StalenessConfig(True, 3, max_staleness_kl=0.006))
     assert [s.weight for s in dropped] == [1.0, 1.0, 0.0, 0.0]
     assert stats["stale_dropped_kl"] == 2 and stats["staleness_kl_max"] == pytest.approx(0.012)
-    down, stats = apply_bound(samples, 8, kl, StalenessBound(3, 0.006, mode="downweight"))
+    down, stats = apply_bound(samples, 8, kl,
+                              StalenessConfig(True, 3, 0.006, stale_samples="downweight"))
     assert [s.weight for s in down] == pytest.approx([1.0, 1.0, 0.75, 0.5])
     assert stats["stale_downweighted"] == 2 and stats["stale_dropped_kl"] == 0
-    unknown, stats = apply_bound([_sample(2)], 8, kl, StalenessBound(9, max_kl=1.0))
+    unknown, stats = apply_bound([_sample(2)], 8, kl,
+                                 StalenessConfig(True, 9, max_staleness_kl=1.0))
     assert unknown[0].weight == 0 and stats["stale_dropped_kl"] == 1  # never silently kept
 
 

@@ -1,4 +1,4 @@
-"""The RL throughput model (``rollout.throughput_model``, printed by
+"""The RL throughput model (``memory.throughput_model``, printed by
 benchmarks/throughput_model.py): its arithmetic by hand on round numbers, the schedules'
 forms, the replicas' roofline, the calibration against the paper, and every refusal."""
 
@@ -13,21 +13,25 @@ from pathlib import Path
 
 import pytest
 
-from megatron_logra.rollout.throughput_model import (PAPER_LAYOUT, PAPER_UPDATES_PER_H,
-                                                     Efficiency, Hardware, Inputs, Layout,
-                                                     ModelShape, Workload, best,
-                                                     calibrate_step_overhead,
-                                                     calibrate_train_mfu, decode_step_s,
-                                                     dense_train_s_1p5b, engine_rollout_s,
-                                                     layouts, min_train_gpus, paper_inputs,
-                                                     rollout_s, train_s, update_time)
+from megatron_logra.memory.throughput_model import (PAPER_LAYOUT, PAPER_UPDATES_PER_H,
+                                                    Efficiency, Hardware, Inputs, Layout,
+                                                    Workload, best, calibrate_step_overhead,
+                                                    calibrate_train_mfu, decode_step_s,
+                                                    dense_train_s_1p5b, engine_rollout_s,
+                                                    kv_bytes_per_token,
+                                                    kv_bytes_per_token_per_gpu, layouts,
+                                                    matmul_params, min_train_gpus,
+                                                    paper_inputs, rollout_s, train_s,
+                                                    update_time)
+from megatron_logra.model.arch import arch_from_hf_config
+from megatron_logra.model.tiny_assets import tiny_hf_config
 
 REPO = Path(__file__).resolve().parents[2]
 
 # Round numbers: 1 layer, hidden 10, 2 heads of 5 (1 KV head), MLP 20, vocab 10, tied:
 # matmul weights = 2*100 + 2*10*5 + 3*10*20 + 10*10 = 1000
-TOY = ModelShape("toy", hidden=10, layers=1, heads=2, kv_heads=1, intermediate=20, vocab=10,
-                 tied=True)
+TOY = arch_from_hf_config(tiny_hf_config("qwen2", hidden_size=10, num_layers=1, num_heads=2,
+                                         num_kv_heads=1, intermediate_size=20, vocab_size=10))
 TOY_HW = Hardware(memory_bytes=1e12, hbm_bytes_per_s=1e6, peak_flop_per_s=1e9,
                   hbm_efficiency=1.0, allreduce_s=0.0)
 TOY_EFF = Efficiency(train_mfu=0.5, step_overhead_s=0.01, train_flop_factor=10.0,
@@ -43,13 +47,14 @@ def _toy(**kw) -> Inputs:
 
 def test_the_shapes_count_the_published_sizes():
     """Qwen2.5-Math-1.5B has 1.54B parameters, -7B 7.62B (their model cards)."""
-    assert TOY.matmul_params == 1000
+    assert TOY.tie_word_embeddings and TOY.qkv_bias and matmul_params(TOY) == 1000
     small, big = paper_inputs("1.5B").model, paper_inputs("7B").model
-    assert abs(small.params / 1.54e9 - 1) < 0.01 and abs(big.params / 7.62e9 - 1) < 0.01
+    assert abs(small.num_parameters / 1.54e9 - 1) < 0.01
+    assert abs(big.num_parameters / 7.62e9 - 1) < 0.01
     # 1.5B: 28 layers x 2 KV heads x 128 x (K, V) x 2 bytes
-    assert small.kv_bytes_per_token == 28 * 2 * 128 * 2 * 2
-    assert big.kv_bytes_per_token_per_gpu(4) == big.kv_bytes_per_token / 4
-    assert small.kv_bytes_per_token_per_gpu(4) == small.kv_bytes_per_token / 2  # replicated
+    assert kv_bytes_per_token(small) == 28 * 2 * 128 * 2 * 2
+    assert kv_bytes_per_token_per_gpu(big, 4) == kv_bytes_per_token(big) / 4
+    assert kv_bytes_per_token_per_gpu(small, 4) == kv_bytes_per_token(small) / 2  # replicated
 
 
 def test_sync_update_by_hand():
@@ -61,7 +66,7 @@ def test_sync_update_by_hand():
     80 us. Train: 10 * 1000 * 8 * (10 + 50) / (2 * 1e9 * 0.5) = 4.8 ms. Push: 0.1 s + 2 x
     2100 B / 1e5 B/s = 0.142 s."""
     inputs = _toy()
-    assert TOY.params == 1050 and TOY.kv_bytes_per_token == 20
+    assert TOY.num_parameters == 1050 and kv_bytes_per_token(TOY) == 20
     t = update_time(inputs, Layout("sync", "dedicated", replicas=2, engine_tp=1, train_gpus=2))
     assert t.rollout_s == pytest.approx(100 * (0.01 + 0.0035) + 80e-6)
     assert t.train_s == pytest.approx(4.8e-3)

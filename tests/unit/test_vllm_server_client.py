@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_logra.rollout.types import EngineError, PushRefused
+from megatron_logra.weight_sync.contract import EngineError, PushRefused
 from megatron_logra.cli import parse_run_config
 
 RL = ["--stage", "rl", "--prompts-per-step", "4", "--responses-per-prompt", "4",
@@ -58,7 +58,7 @@ def test_the_backends_init_and_update_info_are_checked():
 def test_the_server_url_is_checked_at_parse():
     url = ["--rollout-engine-url", "http://127.0.0.1:8000"]
     cfg = parse_run_config([*RL, *url], world_size=1)
-    assert cfg.rl.rollout_engine_url == "http://127.0.0.1:8000"
+    assert cfg.rl.rollout.engine_url == "http://127.0.0.1:8000"
     for argv, why in (
             (["--rollout-engine-url", "127.0.0.1:8000"], "as http://HOST:PORT"),
             (["--rollout-engine-url", "http://host"], "as http://HOST:PORT"),
@@ -132,6 +132,7 @@ class _FakeServer(BaseHTTPRequestHandler):
     """Answers like a vLLM server without its dev-mode routes, at weight version 3."""
 
     dev_mode = True
+    posted: dict = {}  # path -> the last JSON body POSTed there
 
     def _reply(self, code: int, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -156,6 +157,9 @@ class _FakeServer(BaseHTTPRequestHandler):
         return self._reply(404, {"detail": "Not Found"})
 
     def do_POST(self):
+        size = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(size) if size else b""
+        _FakeServer.posted[self.path.lstrip("/").split("?")[0]] = json.loads(body or b"null")
         return self._reply(200 if self.dev_mode else 404, {})
 
     def log_message(self, *args):
@@ -193,3 +197,20 @@ def test_the_client_refuses_what_the_server_cannot_take(fake_server):
         _FakeServer.dev_mode = True
     with pytest.raises(EngineError, match="no healthy vLLM server at http://127.0.0.1:9 "):
         VllmServer("http://127.0.0.1:9", request_timeout_s=5, connect_timeout_s=1)
+
+
+def test_the_transport_has_one_name_on_the_wire(fake_server):
+    """What the client opens a push with reaches the backend's typed update info under the
+    trainer's own word (``contract.Transport``), and a push in flight names it."""
+    from megatron_logra.rollout.vllm_server import VllmServer
+    from megatron_logra.weight_sync.contract import PushInFlight, Transport
+    from megatron_logra.weight_sync.vllm_backend import MlograUpdateInfo
+
+    server = VllmServer(f"http://127.0.0.1:{fake_server.server_port}", request_timeout_s=10)
+    server.expect(Transport.SKETCH_DELTA, base_version=3, version=4)
+    server.begin_receive(2)
+    server.end_call()
+    info = MlograUpdateInfo(**_FakeServer.posted["update_weights"]["update_info"])
+    assert (info.transport, info.rounds, info.version) == (Transport.SKETCH_DELTA, 2, 4)
+    with pytest.raises(PushInFlight, match="a sketch-delta push to version 4 is in flight"):
+        server.generate([], expected_version=3)
