@@ -2,7 +2,8 @@
 measured and planned, and the 27B recipe's scaling over GPU counts.
 
     nice -n 5 .venv/bin/python benchmarks/dry_run.py [--parts measured,analytic,gpu_check,
-        scaling] [--cache DIR] [--save]
+        scaling] [--cache DIR] [--save] [--scaling-gpus 8,16,32,64] [--scaling-methods ...]
+        [--measured-layouts DP4,DP2,DP1,TP3,PP2]
 
 Every trace is the launcher's own ``--dry-run`` of one rank, in a process of its own (its
 CPU time, wall time and peak RSS recorded: what a dry run costs). Parts:
@@ -39,7 +40,6 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -100,22 +100,28 @@ class Tracer:
             self.done[key] = json.loads(cached.read_text())
             return self.done[key]
         with tempfile.TemporaryDirectory() as out:
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            start = time.perf_counter()
-            proc = subprocess.run([sys.executable, str(REPO / "launch/pretrain_rl.py"), *argv,
-                                   "--output-dir", out], cwd=REPO, capture_output=True,
-                                  text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-            wall = time.perf_counter() - start
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            load_before, start = os.getloadavg(), time.perf_counter()
+            with open(Path(out) / "stderr", "w+") as err:
+                proc = subprocess.Popen(
+                    [sys.executable, str(REPO / "launch/pretrain_rl.py"), *argv,
+                     "--output-dir", out], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
+                    env=dict(os.environ, OMP_NUM_THREADS="1"))
+                _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage
+                proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+                wall = time.perf_counter() - start
+                err.seek(0)
+                stderr = err.read()
             report_file = Path(out) / "dry_run.json"
             if not report_file.is_file():
-                raise SystemExit(f"dry run {argv} failed:\n{proc.stderr[-4000:]}")
+                raise SystemExit(f"dry run {argv} failed:\n{stderr[-4000:]}")
             report = json.loads(report_file.read_text())
         (rank_report,) = report["ranks"]
-        cost = {"argv": argv, "cpu_s": round(after.ru_utime + after.ru_stime
-                                              - before.ru_utime - before.ru_stime, 1),
-                "wall_s": round(wall, 1), "max_rss_bytes": after.ru_maxrss * 1024,
-                "trace_cpu_s": rank_report.get("trace_cpu_seconds")}
+        cost = {"argv": argv, "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+                "wall_s": round(wall, 1), "max_rss_bytes": usage.ru_maxrss * 1024,
+                "trace_cpu_s": rank_report.get("trace_cpu_seconds"),
+                # the machine is shared: its load (1-min average) around the trace, its cores
+                "loadavg_before": round(load_before[0], 2),
+                "loadavg_after": round(os.getloadavg()[0], 2), "cores": os.cpu_count()}
         result = {"report": report, "rank": rank_report, "cost": cost}
         print(f"[dry_run] {' '.join(argv[:4])} ... rank {rank}/{world}: peak "
               f"{rank_report.get('peak_bytes', 0) / GIB:.2f} GiB, {cost['cpu_s']} s CPU, "
@@ -131,13 +137,15 @@ def _rel(got: float, ref: float) -> float:
     return round((got - ref) / ref, 4) if ref else float("nan")
 
 
-def measured_part(trace: Tracer) -> dict:
+def measured_part(trace: Tracer, layouts: tuple[str, ...] = tuple(SMOLLM2_LAYOUTS)) -> dict:
     """Dry run vs benchmarks/memory.py's measured busiest rank, per layout and method."""
     from megatron_logra.dry_run.run import representatives
 
     measured = json.loads((RESULTS / "memory.json").read_text())
     rows = []
     for layout, entry in measured["layouts"].items():
+        if layout not in layouts:
+            continue
         tp, pp, dp = SMOLLM2_LAYOUTS[layout]
         for variant, run in entry["runs"].items():
             flags = ["--stage", "sft", "--model-dir", model_dir(measured["shape"]), "--bf16",
@@ -226,22 +234,24 @@ def gpu_check_part(trace: Tracer) -> dict:
     return out
 
 
-def scaling_part(trace: Tracer) -> dict:
+def scaling_part(trace: Tracer, gpu_counts: tuple[int, ...] = SCALING_GPUS,
+                 methods: tuple[str, ...] = tuple(SCALING_METHODS)) -> dict:
     """The 27B recipe at 8-64 GPUs, TP4 x PP2 x DP, per method (see the module doc)."""
     from megatron_logra.memory.forecast import paper_plan
 
     tp, pp = PAPER["27B"][1:]
     rows, busier = [], {}
-    for gpus in SCALING_GPUS:
+    for gpus in gpu_counts:
         dp = gpus // (tp * pp)
         ranks = stage_ranks(tp, pp, dp)
-        for name, (recipe, extra, (method, master)) in SCALING_METHODS.items():
-            stages = ranks if gpus == SCALING_GPUS[0] else {busier[name]: ranks[busier[name]]}
+        for name in methods:
+            recipe, extra, (method, master) = SCALING_METHODS[name]
+            stages = ranks if gpus == gpu_counts[0] else {busier[name]: ranks[busier[name]]}
             traced = {}
             for stage, rank in stages.items():
                 result = trace([*paper_flags("27B", recipe), *extra], rank, gpus)
                 traced[stage] = result
-            if gpus == SCALING_GPUS[0]:
+            if gpus == gpu_counts[0]:
                 busier[name] = max(traced, key=lambda s: traced[s]["rank"]["peak_bytes"])
             planned = paper_plan("qwen3-27b", tp, pp, dp, method, master)["stages"]
             for stage, result in traced.items():
@@ -267,10 +277,19 @@ def main(argv=None) -> None:
     p.add_argument("--cache", help="keep each trace's report here (a rerun reuses them)")
     p.add_argument("--save", action="store_true",
                    help="write results/dry_run.json, dry_run.md and dry_run.png")
+    p.add_argument("--scaling-gpus", default=",".join(map(str, SCALING_GPUS)),
+                   help="the scaling part's GPU counts (the first: both stages traced)")
+    p.add_argument("--scaling-methods", default=",".join(SCALING_METHODS),
+                   help=f"the scaling part's methods, of {tuple(SCALING_METHODS)}")
+    p.add_argument("--measured-layouts", default=",".join(SMOLLM2_LAYOUTS),
+                   help=f"the measured part's layouts, of {tuple(SMOLLM2_LAYOUTS)}")
     args = p.parse_args(argv)
     trace = Tracer(Path(args.cache) if args.cache else None)
-    parts = {"measured": measured_part, "analytic": analytic_part,
-             "gpu_check": gpu_check_part, "scaling": scaling_part}
+    parts = {"measured": lambda t: measured_part(t, tuple(args.measured_layouts.split(","))),
+             "analytic": analytic_part, "gpu_check": gpu_check_part,
+             "scaling": lambda t: scaling_part(
+                 t, tuple(int(g) for g in args.scaling_gpus.split(",")),
+                 tuple(args.scaling_methods.split(",")))}
     report: dict = {"benchmark": "dry_run"}
     for name in args.parts.split(","):
         report[name] = parts[name](trace)
@@ -343,9 +362,11 @@ def markdown(report: dict) -> str:
     if report.get("cost_27b_rank"):
         c = report["cost_27b_rank"]
         out.append(f"What a dry run costs: rank {c['rank']} of the 27B LoGRA recipe (its whole "
-                   f"update, 128 sequences of 4096 tokens), traced alone: {c['cpu_s']:.0f} s of "
-                   f"CPU ({c['wall_s']:.0f} s wall on the shared 2 cores), "
-                   f"{c['max_rss_bytes'] / GIB:.2f} GiB peak RSS.")
+                   f"update, 128 sequences of 4096 tokens), traced alone in a process of its "
+                   f"own: {c['cpu_s']:.0f} s of CPU, {c['wall_s']:.0f} s wall, "
+                   f"{c['max_rss_bytes'] / GIB:.2f} GiB peak RSS, on a machine of "
+                   f"{c['cores']} cores shared with other jobs (load average "
+                   f"{c['loadavg_before']:.1f} before, {c['loadavg_after']:.1f} after).")
     return "\n".join(out) + "\n"
 
 
@@ -356,20 +377,23 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = report["scaling"]["rows"]
+    gpu_counts = sorted({r["gpus"] for r in rows})
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method in SCALING_METHODS:
         points = {}
         for r in rows:
             if r["method"] == method:
                 points[r["gpus"]] = max(points.get(r["gpus"], 0), r["peak_bytes"] / GIB)
+        if not points:
+            continue
         gpus = sorted(points)
         ax.plot(gpus, [points[g] for g in gpus], marker="o", label=method)
     for size in (80, 141):
         ax.axhline(0.9 * size, color="grey", linestyle=":", linewidth=1)
-        ax.text(SCALING_GPUS[-1], 0.9 * size, f" 90% of {size} GiB", va="bottom", ha="right",
+        ax.text(gpu_counts[-1], 0.9 * size, f" 90% of {size} GiB", va="bottom", ha="right",
                 fontsize=8, color="grey")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(SCALING_GPUS, [str(g) for g in SCALING_GPUS])
+    ax.set_xticks(gpu_counts, [str(g) for g in gpu_counts])
     ax.set_xlabel("GPUs (TP4 x PP2 x DP)")
     ax.set_ylabel("peak GPU memory per rank (GiB, busiest traced rank)")
     ax.set_title("27B recipe, one RL update traced by the dry run")
