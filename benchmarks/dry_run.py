@@ -23,11 +23,10 @@ CPU time, wall time and peak RSS recorded: what a dry run costs). Parts:
    its measured peaks with.
 4. ``scaling``: the 27B recipe at 8, 16, 32 and 64 GPUs as TP4 x PP2 x DP (the paper's
    layout, data parallel grown), dense Adam, LoGRA (fp32 master; bf16 only) and LoRA
-   (the dense recipe with r=16 adapters): per-rank model state and peak. Both pipeline
-   stages at 8 GPUs; at 16-64 the stage that was the busier at 8 (the other stage holds
-   the same model state: the layers split evenly, embedding and output layer of equal
-   size), TP and DP rank 0 (the other ranks of a stage hold the same shapes, their
-   data-parallel shard of the same size, and send no weights).
+   (the dense recipe with r=16 adapters): per-rank model state and peak. One rank per
+   GPU count and method: TP and DP rank 0 of the pipeline stage the memory plan puts the
+   higher peak on (the other ranks of a stage hold the same shapes, their data-parallel
+   shard of the same size, and send no weights; ``analytic`` traces both stages at 8).
 
 ``--cache DIR`` keeps each trace's report (a rerun skips what is there). Last stdout line:
 the JSON; ``--save`` writes ``results/dry_run.json``, ``dry_run.md`` (``markdown``) and
@@ -246,28 +245,23 @@ def scaling_part(trace: Tracer, gpu_counts: tuple[int, ...] = SCALING_GPUS,
         ranks = stage_ranks(tp, pp, dp)
         for name in methods:
             recipe, extra, (method, master) = SCALING_METHODS[name]
-            stages = ranks if gpus == gpu_counts[0] else {busier[name]: ranks[busier[name]]}
-            traced = {}
-            for stage, rank in stages.items():
-                result = trace([*paper_flags("27B", recipe), *extra], rank, gpus)
-                traced[stage] = result
-            if gpus == gpu_counts[0]:
-                busier[name] = max(traced, key=lambda s: traced[s]["rank"]["peak_bytes"])
             planned = paper_plan("qwen3-27b", tp, pp, dp, method, master)["stages"]
-            for stage, result in traced.items():
-                r = result["rank"]
-                rows.append({"gpus": gpus, "layout": f"TP{tp} PP{pp} DP{dp}", "method": name,
-                             "stage": stage, "rank": r["rank"],
-                             "stands_for": f"stage {stage}: {gpus // pp} ranks",
-                             "model_state_bytes": r["model_state_bytes"]["total"],
-                             "peak_bytes": r["peak_bytes"],
-                             "peak_by_category": max(
-                                 (r.get("update_peak", {}), r.get("push_peak", {})),
-                                 key=lambda p: p.get("total", 0)),
-                             "engine_bytes": r.get("engine_bytes", 0),
-                             "plan_peak_bytes": int(planned[stage]["peak"]),
-                             "trace_cpu_s": r.get("trace_cpu_seconds"),
-                             "errors": r["errors"]})
+            # the plan's busier stage (a tie: the last, which also computes the logits)
+            stage = max(reversed(range(pp)), key=lambda s: planned[s]["peak"])
+            busier.setdefault(name, {})[gpus] = stage
+            r = trace([*paper_flags("27B", recipe), *extra], ranks[stage], gpus)["rank"]
+            rows.append({"gpus": gpus, "layout": f"TP{tp} PP{pp} DP{dp}", "method": name,
+                         "stage": stage, "rank": r["rank"],
+                         "stands_for": f"stage {stage}: {gpus // pp} ranks",
+                         "model_state_bytes": r["model_state_bytes"]["total"],
+                         "peak_bytes": r["peak_bytes"],
+                         "peak_by_category": max(
+                             (r.get("update_peak", {}), r.get("push_peak", {})),
+                             key=lambda p: p.get("total", 0)),
+                         "engine_bytes": r.get("engine_bytes", 0),
+                         "plan_peak_bytes": int(planned[stage]["peak"]),
+                         "trace_cpu_s": r.get("trace_cpu_seconds"),
+                         "errors": r["errors"]})
     return {"layout": "TP4 PP2 DP=GPUs/8", "rows": rows, "busier_stage": busier}
 
 
@@ -331,10 +325,10 @@ def markdown(report: dict) -> str:
                        f" | {'yes' if need <= 0.9 * 141 * GIB else 'no'} |")
         out += ["", "Fits: the peak within 90% of the GPU; the colocated rollout engine's "
                 "share (the recipes' engine TP8 on node 0's GPUs) is not included here (the "
-                "dry run's own table adds it on the ranks it shares). At 16-64 GPUs the "
-                "stage that was busier at 8 was traced (busier: "
-                + ", ".join(f"{m} stage {s}" for m, s in
-                            report["scaling"]["busier_stage"].items()) + ").", ""]
+                "dry run's own table adds it on the ranks it shares). Each row is the TP-0, "
+                "DP-0 rank of the pipeline stage the memory plan puts the higher peak on "
+                "(the other ranks of a stage hold the same shapes); the comparison with the "
+                "plan below traces both stages at 8 GPUs.", ""]
     if "analytic" in report:
         out += ["The dry run against the memory plan (`memory.forecast.paper_plan`), the "
                 "paper's recipes on 8 GPUs, one rank per pipeline stage (GiB):", "",
