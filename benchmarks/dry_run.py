@@ -28,7 +28,8 @@ CPU time, wall time and peak RSS recorded: what a dry run costs). Parts:
    higher peak on (the other ranks of a stage hold the same shapes, their data-parallel
    shard of the same size, and send no weights; ``analytic`` traces both stages at 8).
 
-``--cache DIR`` keeps each trace's report (a rerun skips what is there). Last stdout line:
+``--cache DIR`` keeps each trace's report (a rerun skips what is there; instances sharing
+it split the traces: one waits for a trace another is running). Last stdout line:
 the JSON; ``--save`` writes ``results/dry_run.json``, ``dry_run.md`` (``markdown``) and
 ``dry_run.png`` (the scaling plot).
 """
@@ -95,9 +96,31 @@ class Tracer:
         if key in self.done:
             return self.done[key]
         cached = self.cache / f"{key}.json" if self.cache else None
-        if cached is not None and cached.is_file():
-            self.done[key] = json.loads(cached.read_text())
-            return self.done[key]
+        if cached is not None:
+            self.cache.mkdir(parents=True, exist_ok=True)
+            claim = cached.with_suffix(".running")
+            try:  # another instance sharing the cache may be tracing it: wait for it
+                claim.touch(exist_ok=False)
+            except FileExistsError:
+                while claim.exists() and not cached.is_file():
+                    time.sleep(5)
+            if cached.is_file():
+                self.done[key] = json.loads(cached.read_text())
+                return self.done[key]
+            claim.touch()
+        try:
+            result = self._trace(argv, rank, world)
+        finally:
+            if cached is not None:
+                cached.with_suffix(".running").unlink(missing_ok=True)
+        if cached is not None:
+            tmp = cached.with_suffix(".tmp")
+            tmp.write_text(json.dumps(result))
+            tmp.replace(cached)
+        self.done[key] = result
+        return result
+
+    def _trace(self, argv: list[str], rank: int, world: int) -> dict:
         with tempfile.TemporaryDirectory() as out:
             load_before, start = os.getloadavg(), time.perf_counter()
             with open(Path(out) / "stderr", "w+") as err:
@@ -125,10 +148,6 @@ class Tracer:
         print(f"[dry_run] {' '.join(argv[:4])} ... rank {rank}/{world}: peak "
               f"{rank_report.get('peak_bytes', 0) / GIB:.2f} GiB, {cost['cpu_s']} s CPU, "
               f"errors {len(rank_report['errors'])}", file=sys.stderr, flush=True)
-        if cached is not None:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            cached.write_text(json.dumps(result))
-        self.done[key] = result
         return result
 
 
