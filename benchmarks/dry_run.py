@@ -98,16 +98,16 @@ class Tracer:
         cached = self.cache / f"{key}.json" if self.cache else None
         if cached is not None:
             self.cache.mkdir(parents=True, exist_ok=True)
-            claim = cached.with_suffix(".running")
-            try:  # another instance sharing the cache may be tracing it: wait for it
-                claim.touch(exist_ok=False)
-            except FileExistsError:
-                while claim.exists() and not cached.is_file():
+            while not cached.is_file():
+                try:
+                    cached.with_suffix(".running").touch(exist_ok=False)  # ours to trace
+                except FileExistsError:  # another instance sharing the cache traces it
                     time.sleep(5)
-            if cached.is_file():
+                    continue
+                break
+            else:
                 self.done[key] = json.loads(cached.read_text())
                 return self.done[key]
-            claim.touch()
         try:
             result = self._trace(argv, rank, world)
         finally:
