@@ -375,7 +375,7 @@ def markdown(report: dict) -> str:
     if report.get("cost_27b_rank"):
         c = report["cost_27b_rank"]
         out.append(f"What a dry run costs: rank {c['rank']} of the 27B LoGRA recipe (its whole "
-                   f"update, 128 sequences of 4096 tokens), traced alone in a process of its "
+                   f"update, 128 sequences of 4096 tokens), traced in a process of its "
                    f"own: {c['cpu_s']:.0f} s of CPU, {c['wall_s']:.0f} s wall, "
                    f"{c['max_rss_bytes'] / GIB:.2f} GiB peak RSS, on a machine of "
                    f"{c['cores']} cores shared with other jobs (load average "
