@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_logra.memory.held_state import model_state_bytes, storage_bytes
 from megatron_logra.memory.shapes import shape_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,46 +55,6 @@ def add_setup_args(p, steps: int, steps_help: str) -> None:
                    help="LoGRA's sketched weights (--logra-targets; the paper's four)")
     p.add_argument("--untargeted", choices=("frozen", "adam"), default="frozen",
                    help="LoGRA's unsketched parameters (--logra-untargeted; the paper freezes)")
-
-
-def _storages(tensors) -> dict[int, int]:
-    out = {}
-    for t in tensors:
-        if t is not None and hasattr(t, "untyped_storage") and t.numel():
-            s = t.untyped_storage()
-            out[s.data_ptr()] = s.nbytes()
-    return out
-
-
-def _optimizer_tensors(megatron_opt):
-    """Every tensor a megatron optimizer holds: inner torch state and its fp32 main params."""
-    from megatron_logra.runtime.megatron_optimizer import (fp32_main_copies, sub_optimizers,
-                                                            torch_optimizers)
-
-    for inner in torch_optimizers(megatron_opt):
-        for state in inner.state.values():
-            yield from (v for v in state.values() if hasattr(v, "untyped_storage"))
-        for group in inner.param_groups:
-            yield from group["params"]  # fp32 main shards (or the params themselves)
-    for sub in sub_optimizers(megatron_opt):
-        yield from fp32_main_copies(sub)
-
-
-def model_state_bytes(objs) -> dict[str, int]:
-    """Bytes by category, each storage counted once (params first, so views are not doubled)."""
-    model = objs.model[0]
-    params = _storages(list(model.parameters())
-                       + [b.param_data for b in model.buffers if b.param_data is not None])
-    grads = {k: v for k, v in _storages([b.grad_data for b in model.buffers]).items()
-             if k not in params}
-    opt = {k: v for k, v in _storages(list(_optimizer_tensors(objs.dense_optimizer))).items()
-           if k not in params and k not in grads}
-    out = {"params": sum(params.values()), "grads": sum(grads.values()),
-           "dense_optimizer": sum(opt.values())}
-    if objs.logra is not None:
-        out.update({f"logra_{k}": v for k, v in objs.logra.state_bytes().items()})
-    out["total"] = sum(out.values())
-    return out
 
 
 class Probe:
@@ -182,7 +143,7 @@ class Probe:
             self._train_step(batch)
             synchronize()
             return peak_memory_bytes()
-        held_before = sum(_storages(_python_held_tensors()).values())
+        held_before = sum(storage_bytes(_python_held_tensors()).values())
         with LiveTensorBytes() as live:
             self._train_step(batch)
         return held_before + live.peak_bytes

@@ -44,7 +44,9 @@ Parts, each a progress line and a JSON file in ``--out``:
    masters) and LoRA each in a fresh process (``_train_probe.Probe``), stepped in turn
    so noise hits all alike (``step_time.py``'s interleaving): step time (median after a
    warm-up round), peak allocated memory and model-state bytes; LoGRA's and LoRA's
-   model state must be below dense Adam's.
+   model state must be below dense Adam's. Each measured peak is compared with the dry
+   run's of the same step (``benchmarks/dry_run.py``'s ``gpu_check`` part, read from
+   ``results/dry_run.json`` when it holds this spec): within 10%.
 
 The last stdout line is a summary JSON; the exit status is 1 when any check failed,
 with what failed on stderr.
@@ -548,6 +550,7 @@ def memory_part(device: str, scale: Scale) -> dict:
             "model_state_vs_dense_adam": round(run["model_state_bytes"]["total"]
                                                / dense["model_state_bytes"]["total"], 4),
             "step_time_vs_dense_adam": round(run["step_time_s"] / dense["step_time_s"], 4)}
+    dry_run = dry_run_comparison(figures, scale)
     positive = all(f[k] > 0 for f in figures.values()
                    for k in ("peak_mem_bytes", "model_state_bytes", "step_time_s"))
     leaner = all(figures[n]["model_state_bytes"] < figures["dense_adam"]["model_state_bytes"]
@@ -561,7 +564,35 @@ def memory_part(device: str, scale: Scale) -> dict:
             "device": device, "rounds": scale.probe_rounds, "peak": "CUDA max allocated"
             if device == "cuda" else "live tensor bytes (_train_probe.Probe.peak_step)",
             "variants": figures, "all_positive": positive, "leaner_than_dense_adam": leaner,
-            "ok": positive and leaner}
+            "dry_run": dry_run, "ok": positive and leaner}
+
+
+DRY_RUN_REPORT = Path(__file__).resolve().parent / "results" / "dry_run.json"
+DRY_RUN_TOLERANCE = 0.10
+
+
+def dry_run_comparison(figures: dict, scale: Scale, report_path: Path = DRY_RUN_REPORT) -> dict:
+    """Each variant's measured peak against the dry run's of the same step (the dry run
+    traces it on CPU beforehand: ``benchmarks/dry_run.py --parts gpu_check``); "ok"
+    within ``DRY_RUN_TOLERANCE``. Without a dry run of this spec: a note, no check."""
+    spec = {"shape": scale.probe_shape, "seq_length": scale.probe_seq, "micro_batch_size": 1,
+            "microbatches": scale.probe_microbatches, "recompute": True,
+            "rank": scale.probe_rank}
+    part = json.loads(report_path.read_text()).get("gpu_check") \
+        if report_path.is_file() else None
+    if not part or part.get("spec") != spec:
+        return {"note": f"no dry run of {spec} in {report_path.name}"}
+    out = {}
+    for name, figure in figures.items():
+        traced = part["variants"].get(name)
+        if traced is None:
+            continue
+        ratio = traced["peak_mem_bytes"] / figure["peak_mem_bytes"]
+        out[name] = {"dry_run_peak_bytes": traced["peak_mem_bytes"],
+                     "measured_peak_bytes": figure["peak_mem_bytes"],
+                     "dry_run_over_measured": round(ratio, 4),
+                     "ok": abs(ratio - 1) <= DRY_RUN_TOLERANCE}
+    return out
 
 
 # --- driver -----------------------------------------------------------------------------

@@ -151,6 +151,7 @@ BLOCKS: dict[str, Block] = {
     "task_signal": Block("task_signal.json", "task_signal"),
     "sketch_cosines": Block("figures/sketch_cosines.json", "figures", "sketch_table"),
     "update_cosine": Block("figures/sketch_cosines.json", "figures", "update_cosine_table"),
+    "dry_run": Block("dry_run.json", "dry_run", made_by="benchmarks/dry_run.py"),
 }
 
 

@@ -10,6 +10,10 @@ the requested stage. One process: ``python launch/pretrain_rl.py`` works too.
     torchrun --standalone --nproc-per-node 2 launch/pretrain_rl.py \
         --stage sft --tensor-model-parallel-size 2 --task basic_arithmetic \
         --train-iters 20 --output-dir runs/sft
+
+    # will the paper's 27B recipe fit its 8 GPUs? One update traced at full size, on CPU
+    python launch/pretrain_rl.py --config recipes/paper/logra-27b.yaml \
+        --model-dir megatron_logra/assets/qwen3-27b --dry-run --output-dir runs/dry-27b
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if cfg.dry_run.enabled:  # one update traced at full size, for every rank, on this CPU
+        from megatron_logra.dry_run.run import run_dry_run
+
+        return run_dry_run(cfg)
     if cfg.training.stage == "rl":
         from megatron_logra.rl.stage import run_rl
 

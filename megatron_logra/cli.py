@@ -22,6 +22,7 @@ from megatron_logra.checkpoint.config import CheckpointConfig
 from megatron_logra.config import (DataConfig, LoggingConfig, ModelSource, OptimizerConfig,
                                    RunConfig, TrainingConfig)
 from megatron_logra.config_file import ConfigFileError, resolve
+from megatron_logra.dry_run.config import DryRunConfig
 from megatron_logra.flags import add_flags, from_flags
 from megatron_logra.kl.config import KLControlConfig
 from megatron_logra.logra.config import LograConfig
@@ -53,6 +54,7 @@ FLAG_GROUPS = (
     (CheckpointConfig, "checkpointing"),
     (RunConfig, "output"),
     (LoggingConfig, "logging: TensorBoard and Weights & Biases"),
+    (DryRunConfig, "dry run: one update traced at full size on this CPU, no GPU"),
 )
 
 
@@ -128,6 +130,17 @@ def _configs(args: argparse.Namespace, sources: dict[str, str], world_size: int)
     """Every config from its flags (each checks itself), then the run's (the rules across
     them) and its split over ``world_size``; ValueError names the flag and the fix."""
     parallel = from_flags(ParallelConfig, args)
+    dry_run = from_flags(DryRunConfig, args)
+    if dry_run.enabled:  # one process tracing the ranks of the job it describes
+        if world_size > 1:
+            raise ConfigError(f"--dry-run runs in one process (it traces each rank of "
+                              f"--dry-run-world-size in turn), not under torchrun with "
+                              f"{world_size}: python launch/pretrain_rl.py --dry-run ...")
+        world_size = dry_run.world(parallel.tensor_model_parallel_size,
+                                   parallel.pipeline_model_parallel_size)
+        if dry_run.ranks and max(dry_run.ranks) >= world_size:
+            raise ConfigError(f"--dry-run-ranks: rank {max(dry_run.ranks)} is outside the "
+                              f"world of {world_size} (--dry-run-world-size)")
     parallel.validate(world_size)  # first: a launch that does not match is said first
     rl = from_flags(RLConfig, args, objective=from_flags(PolicyObjective, args),
                     verifier=from_flags(VerifierConfig, args),
@@ -156,7 +169,8 @@ def _configs(args: argparse.Namespace, sources: dict[str, str], world_size: int)
         output_dir=args.output_dir, parallel=parallel, optimizer=optimizer, training=training,
         data=from_flags(DataConfig, args, tasks=parse_tasks(args.tasks)),
         checkpoint=replace(checkpoint, load_format=load_format, finetune=weights_only),
-        rl=rl, logging=_logging_config(args), flag_sources=_flag_sources(args, sources))
+        rl=rl, logging=_logging_config(args), dry_run=dry_run,
+        flag_sources=_flag_sources(args, sources))
     cfg.check_world_size(world_size)
     return cfg
 

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from megatron_logra.checkpoint.config import CheckpointConfig
+from megatron_logra.dry_run.config import DryRunConfig
 from megatron_logra.flags import check_fields, flag_spec
 from megatron_logra.kl.config import KLControlConfig  # noqa: F401 - the run's sub-configs
 from megatron_logra.logra.config import LograConfig
@@ -205,6 +206,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    dry_run: DryRunConfig = field(default_factory=DryRunConfig)
     flag_sources: dict[str, dict] = field(default_factory=dict,
                                           metadata=flag_spec(cli=False))
     """{flag: {"value", "source"}}: every flag's resolved value and where it came from

@@ -51,8 +51,10 @@ def _tempered(logits: torch.Tensor, vocab_size: int, vocab_start: int,
               temperature: float) -> torch.Tensor:
     """fp64 z / T [n, V_local] with padded entries at -inf."""
     z = logits.double() / temperature
+    if vocab_start + z.shape[-1] <= vocab_size:  # no padded entry in this shard
+        return z
     pad = torch.arange(vocab_start, vocab_start + z.shape[-1], device=z.device) >= vocab_size
-    return z.masked_fill(pad, float("-inf")) if bool(pad.any()) else z
+    return z.masked_fill(pad, float("-inf"))
 
 
 def _log_softmax(z: torch.Tensor, group) -> torch.Tensor:

@@ -25,6 +25,7 @@ from megatron_logra.kl.config import KLControlConfig
 from megatron_logra.kl.scaled_step import scaled_optimizer_step
 from megatron_logra.kl.tangent_forward import UpdateTangents, logits_with_tangent
 from megatron_logra.runtime.device import current_device, synchronize
+from megatron_logra.runtime.host_read import host_value
 
 
 def _global_mean(values: torch.Tensor | None) -> tuple[float, int]:
@@ -34,8 +35,9 @@ def _global_mean(values: torch.Tensor | None) -> tuple[float, int]:
         total[0], total[1] = values.double().sum(), values.numel()
     dist.all_reduce(total)
     total /= parallel_state.get_tensor_model_parallel_world_size()
-    count = int(round(float(total[1])))
-    return (float(total[0] / total[1]) if count else 0.0), count
+    value_sum, value_count = host_value(total, assume=[1.0, 1.0])
+    count = int(round(value_count))
+    return (value_sum / value_count if count else 0.0), count
 
 
 def _moved_anywhere(tangents: UpdateTangents | None) -> bool:
@@ -43,12 +45,14 @@ def _moved_anywhere(tangents: UpdateTangents | None) -> bool:
     low-rank factor c D with a nonzero entry (an update whose advantages were all zero has
     sketches, and so D, of zeros: it moves nothing, and K = 0 is right for it)."""
     moved = tangents is not None and (
-        any(bool(t.abs().max() > 0) for t in tangents.dense.values() if t.numel())
-        or any(t.coefficient != 0 and t.d.numel() and bool(t.d.abs().max() > 0)
+        any(host_value(t.abs().max() > 0, assume=True) for t in tangents.dense.values()
+            if t.numel())
+        or any(t.coefficient != 0 and t.d.numel()
+               and host_value(t.d.abs().max() > 0, assume=True)
                for t in tangents.low_rank.values()))
     flag = torch.tensor([float(moved)], device=current_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return bool(host_value(flag, assume=[1.0])[0])
 
 
 def require_tangent_reached(moved: bool) -> None:
@@ -73,7 +77,7 @@ def cap_probe(probe: dict[str, torch.Tensor], max_tokens: int) -> dict[str, torc
     attention_mask [b, 1, s, s] to [b', 1, s', s']."""
     mask = probe["loss_mask"] > 0
     kept = mask & (torch.arange(mask.shape[1], device=mask.device) < max_tokens - 1)[None, :]
-    if bool(torch.equal(kept, mask)):
+    if host_value(torch.eq(kept, mask).all(), assume=True):  # a trace keeps the whole probe
         return probe
     rows = kept.any(dim=1).nonzero().squeeze(1)
     length = int(kept.any(dim=0).nonzero().max()) + 1 if rows.numel() else 1
@@ -91,11 +95,30 @@ def cap_probe(probe: dict[str, torch.Tensor], max_tokens: int) -> dict[str, torc
     return out
 
 
+def response_rows(x: torch.Tensor, mask: torch.Tensor, most: int) -> torch.Tensor:
+    """``x[mask]`` for x [b, s, ...] and a bool mask [b, s]: the masked positions' rows
+    [n, ...] in row-major order. Their count is read once on the host (``most``: the most
+    there can be, what a trace without values takes)."""
+    count = int(host_value(mask.sum(), assume=most))
+    index = torch.nonzero_static(mask.reshape(-1), size=count).squeeze(1)
+    return x.reshape(-1, *x.shape[2:]).index_select(0, index)
+
+
 class PredictedKLStep:
-    def __init__(self, cfg: KLControlConfig, *, temperature: float, vocab_size: int):
+    def __init__(self, cfg: KLControlConfig, *, temperature: float, vocab_size: int,
+                 max_response_tokens: int | None = None):
+        """``max_response_tokens``: the most generated tokens a probe response holds
+        (--max-new-tokens; None: any position may be one)."""
         self.cfg, self.temperature, self.vocab_size = cfg, temperature, vocab_size
+        self.max_response_tokens = max_response_tokens
         self.controller = kl_budget.KLController(cfg)
-        self._old_logits: torch.Tensor | None = None  # probe rows [n, Vp/TP] at the old weights
+        self._old_logits: torch.Tensor | None = None  # probe rows [n, Vp/TP], old weights
+
+    def _responses(self, x: torch.Tensor, probe: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The rows of ``x`` [b, s, ...] at the probe's response positions [n, ...]."""
+        rows, length = probe["loss_mask"].shape
+        most = rows * min(length, self.max_response_tokens or length)
+        return response_rows(x, probe["loss_mask"].bool(), most)
 
     def _vocab_kwargs(self, local_vocab: int) -> dict:
         return {"temperature": self.temperature, "vocab_size": self.vocab_size,
@@ -109,9 +132,9 @@ class PredictedKLStep:
         values = None
         if out is not None:
             logits, tangent = out
-            mask = probe["loss_mask"].bool()
-            self._old_logits = logits[mask]
-            values = kl_budget.fisher_quadratic(self._old_logits, tangent[mask],
+            self._old_logits = self._responses(logits, probe)
+            values = kl_budget.fisher_quadratic(self._old_logits,
+                                                self._responses(tangent, probe),
                                                 **self._vocab_kwargs(logits.shape[-1]))
         k, count = _global_mean(values)
         if count == 0:
@@ -126,7 +149,7 @@ class PredictedKLStep:
         out = logits_with_tangent(model, probe, None)
         values = None
         if out is not None:
-            new = out[0][probe["loss_mask"].bool()]
+            new = self._responses(out[0], probe)
             values = kl_budget.token_kl(self._old_logits, new,
                                         **self._vocab_kwargs(new.shape[-1]))
         self._old_logits = None

@@ -42,10 +42,10 @@ class HeldBackStep:
         versions.require("megatron-core", "megatron_logra.kl.held_back_step")
         self.subs = sub_optimizers(optimizer)
         self.model_params = model_params
-        storages = {p.untyped_storage().data_ptr() for p in model_params.values()}
+        storages = {id(p.untyped_storage()) for p in model_params.values()}
         self.mains = [main_params(sub) for sub in self.subs]
         # a main param that lives in a model param's storage is restored with the model
-        self.shared = [[m.untyped_storage().data_ptr() in storages for m in mains]
+        self.shared = [[id(m.untyped_storage()) in storages for m in mains]
                        for mains in self.mains]
         self.main_deltas: list[list[torch.Tensor]] = []
         self.old_model: dict[str, torch.Tensor] = {}

@@ -38,40 +38,53 @@ def _hidden_shape(module, batch: dict[str, torch.Tensor]) -> tuple[int, int, int
     return s, b, module.config.hidden_size
 
 
-def _recv_dual(module, batch, dtype) -> torch.Tensor:
+def _recv_hidden(module, batch, dtype, dual: bool) -> torch.Tensor:
+    """The previous stage's hidden state [s, b, h] (and its tangent, made a dual, when
+    ``dual``)."""
     prev = parallel_state.get_pipeline_model_parallel_prev_rank()
     device = batch["tokens"].device
     primal = torch.empty(_hidden_shape(module, batch), dtype=dtype, device=device)
-    tangent = torch.empty_like(primal)
     dist.recv(primal, src=prev)
+    if not dual:
+        return primal
+    tangent = torch.empty_like(primal)
     dist.recv(tangent, src=prev)
     return forward_ad.make_dual(primal, tangent)
 
 
-def _send_dual(hidden: torch.Tensor) -> None:
+def _send_hidden(hidden: torch.Tensor, dual: bool) -> None:
+    """This stage's hidden state to the next (and its tangent, zeros if it has none, when
+    ``dual``)."""
     nxt = parallel_state.get_pipeline_model_parallel_next_rank()
     primal, tangent = forward_ad.unpack_dual(hidden)
-    if tangent is None:
-        tangent = torch.zeros_like(primal)
     dist.send(primal.contiguous(), dst=nxt)
-    dist.send(tangent.contiguous(), dst=nxt)
+    if dual:
+        dist.send((torch.zeros_like(primal) if tangent is None else tangent).contiguous(),
+                  dst=nxt)
 
 
 @torch.no_grad()
 def logits_with_tangent(model_chunks: list, batch: dict[str, torch.Tensor],
                         tangents: UpdateTangents | None
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(logits, d logits) [b, s, Vp/TP] fp32 on the last pipeline stage, None elsewhere.
+                        ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(logits, d logits) [b, s, Vp/TP] in the model's dtype on the last pipeline stage,
+    None elsewhere (the callers take the rows they need and compute in fp64 a chunk at a
+    time: an fp32 copy of the whole probe's logits and tangent, 16 bytes per vocabulary
+    entry and position, would be most of the pass's memory).
 
     batch: tokens / position_ids / attention_mask on the model's device, the same on every
-    rank of the pipeline. ``tangents`` None: the plain forward (tangent zero).
+    rank of the pipeline. ``tangents`` None (on every rank): the plain forward, whose
+    stages pass hidden states without tangents; d logits is None.
     """
     if len(model_chunks) != 1:
         raise NotImplementedError("the KL-control tangent pass needs one model chunk per "
                                   "rank (no virtual pipeline)")
     module = unwrap(model_chunks[0])
+    dual = tangents is not None
     tangents = tangents or UpdateTangents()
-    dtype = next(module.parameters()).dtype
+    # what the previous stage sends: megatron's pipeline dtype (its activations'), not a
+    # parameter's (the first of a later stage is a norm weight, kept in fp32)
+    dtype = module.config.pipeline_dtype
     was_training = module.training
     module.eval()
     try:
@@ -83,16 +96,17 @@ def logits_with_tangent(model_chunks: list, batch: dict[str, torch.Tensor],
             duals = {n: forward_ad.make_dual(params[n].detach(), t.to(params[n].dtype))
                      for n, t in tangents.dense.items()}
             if not parallel_state.is_pipeline_first_stage():
-                module.set_input_tensor(_recv_dual(module, batch, dtype))
+                module.set_input_tensor(_recv_hidden(module, batch, dtype, dual))
             out = torch.func.functional_call(
                 module, duals, (batch["tokens"], batch["position_ids"], batch["attention_mask"]),
                 strict=False)
             if not parallel_state.is_pipeline_last_stage():
-                _send_dual(out)
+                _send_hidden(out, dual)
                 return None
             primal, tangent = forward_ad.unpack_dual(out)
-            if tangent is None:
-                tangent = torch.zeros_like(primal)
-            return primal.float(), tangent.float()
+            if not dual:
+                return primal, None
+            return primal, torch.zeros_like(primal) if tangent is None else tangent
     finally:
+        module.set_input_tensor(None)  # the received state is this pass's, not the model's
         module.train(was_training)

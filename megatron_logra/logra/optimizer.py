@@ -49,6 +49,7 @@ from megatron_logra.logra.low_rank_apply import apply_bf16_update
 from megatron_logra.logra.row_shards import RowShard, all_gather_rows, plan_row_shard
 from megatron_logra.logra.sketched_linear import SketchSlot
 from megatron_logra.logra.sketches import EMBEDDING, SketchSet
+from megatron_logra.runtime.host_read import host_value
 from megatron_logra.runtime.phase_times import PHASES
 
 FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -68,7 +69,7 @@ def _active_rows(d: torch.Tensor) -> torch.Tensor | None:
     """Indices of D's nonzero rows when they are under half of them (else None: all rows).
     Asked only of the word embedding, whose unseen tokens' rows get no gradient."""
     nonzero = d.abs().amax(dim=1) > 0
-    count = int(nonzero.sum())
+    count = int(host_value(nonzero.sum(), assume=d.shape[0]))  # a trace updates every row
     return None if count * 2 > d.shape[0] else nonzero.nonzero().squeeze(1)
 
 
@@ -108,8 +109,7 @@ class LograOptimizer:
         per_module = [(sh.sharded, slot.parallel == "column", len(slot.module_names))
                       for sh, slot in zip(self.shards, sketches.slots)]
         self.module_split = tuple(
-            torch.tensor([flags[k] for flags in per_module for _ in range(flags[2])],
-                         dtype=torch.bool) for k in (0, 1))
+            tuple(flags[k] for flags in per_module for _ in range(flags[2])) for k in (0, 1))
         self.steps = 0  # RowAdam steps taken (bias correction)
         # (D, coefficient, seed) per weight of the last update, for a receiver (rollout engine,
         # tests); off by default: it holds another out x r fp32 tensor per sketched weight
@@ -234,20 +234,23 @@ class LograOptimizer:
         for i, slot in enumerate(self.sketches.slots):
             if not slot.duplicate:
                 total += sketch_sq[self.module_offsets[i]:self.module_offsets[i + 1]].sum()
-        total = self._masked_sum(total, torch.tensor([True]),
+        total = self._masked_sum(total, (True,),
                                  parallel_state.get_pipeline_model_parallel_group)
-        return float(total[0]) ** 0.5
+        return host_value(total[0], assume=1.0) ** 0.5
 
-    def _masked_sum(self, values: torch.Tensor, mask: torch.Tensor, group_fn) -> torch.Tensor:
-        """``values`` [..., n] with the columns where ``mask`` [n] holds summed over a group."""
-        if not bool(mask.any()) or not dist.is_initialized():
+    def _masked_sum(self, values: torch.Tensor, mask: tuple[bool, ...],
+                    group_fn) -> torch.Tensor:
+        """``values`` [..., n] with the columns where ``mask`` (n flags) holds summed over a
+        group."""
+        if not any(mask) or not dist.is_initialized():
             return values
         group = group_fn()
         if dist.get_world_size(group) == 1:
             return values
-        summed = torch.where(mask, values, 0.0).to(self._device())
+        where = torch.tensor(mask, dtype=torch.bool)
+        summed = torch.where(where, values, 0.0).to(self._device())
         dist.all_reduce(summed, group=group)
-        return torch.where(mask, summed.cpu(), values)
+        return torch.where(where, summed.cpu(), values)
 
     def _device(self) -> torch.device:
         return self.sketches.params[0].device if len(self.sketches) else torch.device("cpu")
@@ -268,16 +271,15 @@ class LograOptimizer:
                 param[rows] if master is None else master[state_rows])
                 for rows, state_rows in shard.pieces())
             nonzero = _active_rows(d) if slot.name == EMBEDDING else None
-            update_sq = float(row_adam.update_sq_norm(d if nonzero is None else d[nonzero],
-                                                      slot.projection))
+            update_sq = host_value(row_adam.update_sq_norm(
+                d if nonzero is None else d[nonzero], slot.projection), assume=1.0)
             parts[:, int(shard.sharded)] += torch.tensor([weight_sq, update_sq],
                                                          dtype=torch.float64)
-        parts = self._masked_sum(parts, torch.tensor([False, True]),
-                                 parallel_state.get_data_parallel_group)
-        totals = parts.sum(dim=1)
-        totals = self._masked_sum(totals, torch.tensor([True, True]),
+        parts = self._masked_sum(parts, (False, True), parallel_state.get_data_parallel_group)
+        totals = self._masked_sum(parts.sum(dim=1), (True, True),
                                   parallel_state.get_model_parallel_group)
-        return float(totals[0]), float(totals[1])
+        weight_sq, update_sq = host_value(totals, assume=[1.0, 1.0])
+        return weight_sq, update_sq
 
     @torch.no_grad()
     def step_sketches(self, scale_fn: Callable[[dict], float] | None = None) -> None:
@@ -382,7 +384,7 @@ class LograOptimizer:
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the sketched weights (for the memory accounting)."""
-        indices = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        indices = {id(t.untyped_storage()): t.untyped_storage().nbytes()
                    for slot, owned in zip(self.sketches.slots, self.owned_modules)
                    for t in (slot.global_rows, slot.module_rows, owned)}
         return {"sketches": self.sketches.sketch_bytes(),

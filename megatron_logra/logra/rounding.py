@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from megatron_logra.logra.projection import MASK32, as_int32, hash32
+from megatron_logra.runtime.host_read import host_value
 
 CANONICAL_NAN = 0x7FC00000
 """The fp32 bits every NaN is rounded to (bf16 0x7FC0: positive, quiet, no payload)."""
@@ -88,7 +89,7 @@ def stochastic_round_bits_(values: torch.Tensor, seed: int, rows: torch.Tensor,
     keep_high = -65536  # 0xFFFF0000 as int32
     bits = values.view(torch.int32)
     low, high = torch.aminmax(values)  # one read; NaN propagates into both
-    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+    if host_value(torch.isfinite(low) & torch.isfinite(high), assume=True):
         bits.add_(noise).bitwise_and_(keep_high)
     else:  # non-finite: infinities truncated (exact), NaNs canonical (adding noise could
         # wrap a NaN's bits into a number; truncating one could make it an infinity)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_logra.runtime.host_read import host_value
+
 DEFAULT_CHUNK_ROWS = 1024
 
 
@@ -82,8 +84,11 @@ def update_sq_norm(d: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
 def weight_sq_norm(weight: torch.Tensor, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> float:
     """||W||_F^2 of a [out, in] block in fp64, ``chunk_rows`` rows at a time (a bf16 weight is
     never upcast whole)."""
-    return sum(float(torch.linalg.vector_norm(weight[r0:r0 + chunk_rows], dtype=torch.float32))
-               ** 2 for r0 in range(0, weight.shape[0], chunk_rows))
+    total = torch.zeros((), dtype=torch.float64, device=weight.device)
+    for r0 in range(0, weight.shape[0], chunk_rows):
+        total += torch.linalg.vector_norm(weight[r0:r0 + chunk_rows],
+                                          dtype=torch.float32).double() ** 2
+    return host_value(total, assume=1.0)  # one read of the device, not one per chunk
 
 
 def norm_ratio_factor(update_ratio: float, weight_sq: float, update_sq: float) -> float:

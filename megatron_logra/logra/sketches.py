@@ -34,6 +34,7 @@ from megatron_logra.logra.sketched_linear import (
 )
 from megatron_logra.model.arch import ModelArch
 from megatron_logra.model.hf_mapping import row_segments
+from megatron_logra.runtime.host_read import host_value
 
 EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -197,7 +198,7 @@ class SketchSet:
         if self.buffers["tied"].numel():
             dist.all_reduce(self.buffers["tied"], group=parallel_state.get_embedding_group())
         if num_tokens is not None:
-            count = float(num_tokens)
+            count = float(host_value(num_tokens, assume=1.0))
             if count > 0:
                 self.divide(count)
                 self.num_tokens = count

@@ -27,6 +27,15 @@ METHODS = {  # memory.py variant -> (method, LoGRA master)
     "lora": ("lora", "fp32"),
 }
 STATE_TOLERANCE, PEAK_TOLERANCE = 0.02, 0.10
+# the paper's LoGRA recipe runs predicted-KL control (recipes/paper/_logra.yaml): 2 probe
+# responses per DP rank of up to 4096 tokens, 3072 of them generated (rank_bytes.kl_probe_bytes)
+PAPER_KL_PROBE = (2, 4096, 3072)
+
+
+def paper_plan(shape: str, tp: int, pp: int, dp: int, method: str, master: str) -> dict:
+    """``plan`` of the paper's recipe for ``method`` (LoGRA with its KL control's probe)."""
+    return plan(shape, tp, pp, dp, method=method, master=master,
+                kl_probe=PAPER_KL_PROBE if method == "logra" else None)
 
 
 def validate(measured: dict) -> dict:
@@ -77,7 +86,8 @@ def cli_accepts(shape: str, tp: int, pp: int, method: str) -> bool:
 
 def project(gpu_gibs: list[float]) -> dict:
     """Every 8-GPU layout the CLI accepts, per model and method: busiest-rank model state
-    and peak (seq 4096, microbatch 1, full recompute, r=256, LoRA r=16), and which fit."""
+    and peak (seq 4096, microbatch 1, full recompute, r=256, LoRA r=16; LoGRA with the
+    paper's predicted-KL control, ``PAPER_KL_PROBE``), and which fit."""
     out = {}
     for name, shape in PAPER_SHAPES.items():
         rows = []
@@ -86,7 +96,7 @@ def project(gpu_gibs: list[float]) -> dict:
             for variant, (method, master) in METHODS.items():
                 if not cli_accepts(shape, tp, pp, method):
                     continue
-                got = plan(shape, tp, pp, dp, method=method, master=master)
+                got = paper_plan(shape, tp, pp, dp, method, master)
                 row[variant] = {"model_state_gib": round(got["model_state"] / GIB, 2),
                                 "peak_gib": round(got["peak"] / GIB, 2),
                                 **{f"fits_{g:g}gib": got["peak"] <= 0.9 * g * GIB
@@ -151,10 +161,10 @@ def placements(gpu_gibs: list[float], gpus: int = 8, models=tuple(PAPER_SHAPES),
                     if engine["total"] <= limit and e < gpus:
                         dedicated += [f"engine TP{e} + TP{tp} PP{pp} DP{dp}"
                                       for tp, pp, dp in _layouts(shape, gpus - e, method)
-                                      if plan(shape, tp, pp, dp, method=method,
-                                              master=master)["peak"] <= limit]
+                                      if paper_plan(shape, tp, pp, dp, method,
+                                                    master)["peak"] <= limit]
                     for tp, pp, dp in _layouts(shape, gpus, method):
-                        got = plan(shape, tp, pp, dp, method=method, master=master)
+                        got = paper_plan(shape, tp, pp, dp, method, master)
                         if max(got["model_state"] + engine["total"],
                                got["peak"] + ENGINE_ASLEEP_GIB * GIB) <= limit:
                             colocated.append(f"engine TP{e} + TP{tp} PP{pp} DP{dp}")
@@ -172,7 +182,7 @@ def sync_bytes(shape: str, rank: int) -> dict:
     blocks = rank_params(shape, 1, 1, 0)
     full = 2 * sum(b.numel for b in blocks)
     sketched_rows = sum(b.rows for b in blocks if b.role in ROLES + ("embedding", "output"))
-    others = sum(b.numel for b in blocks if b.role == "other")
+    others = sum(b.numel for b in blocks if b.role in ("norm", "other"))
     delta = sketched_rows * (2 * rank + 8) + 2 * others
     return {"full_bytes": full, "sketch_delta_bytes": delta,
             "sync_bytes_ratio": round(delta / full, 5)}

@@ -21,7 +21,7 @@ class Param:
     shape: tuple[int, ...]
     split_dim: int | None  # megatron's TP partition dim (None: replicated)
     layer: int | None  # decoder layer (None: embedding, output layer, final norm)
-    role: str  # qkv | proj | fc1 | fc2 | embedding | output | other
+    role: str  # qkv | proj | fc1 | fc2 | embedding | output | norm | other (biases)
 
 
 @lru_cache(maxsize=None)
@@ -49,6 +49,8 @@ def model_of(shape: str):
                                                               False) else None
         layer = int(name.split(".")[2]) if name.startswith("decoder.layers.") else None
         role = next((r for r in ROLES if f"linear_{r}.weight" in name), "other")
+        if name.endswith("layernorm.weight"):  # megatron keeps norm weights in fp32
+            role = "norm"
         if name == "embedding.word_embeddings.weight":
             role = "embedding"
         elif name == "output_layer.weight":
@@ -85,9 +87,10 @@ def rank_params(shape: str, tp: int, pp: int, stage: int) -> list[Local]:
             continue
         if p.layer is None and p.role != "embedding" and not last:  # final norm, output
             continue
+        # with fewer kv heads than TP ranks megatron-core 0.16 splits qkv like any other
+        # column-parallel weight and all-gathers its output (``Attention.
+        # get_query_key_value_tensors``): no kv head is replicated in the weight
         rows, cols = (p.shape[0], p.shape[1]) if len(p.shape) == 2 else (p.shape[0], 1)
-        if p.role == "qkv" and arch.num_kv_heads < tp:  # kv heads replicated over TP
-            rows = (arch.num_attention_heads + 2 * tp) * arch.head_dim
         parallel = {0: "column", 1: "row"}.get(p.split_dim)
         if parallel == "column":
             rows //= tp

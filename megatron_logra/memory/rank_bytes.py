@@ -1,17 +1,20 @@
 """One rank's bytes under dense Adam, LoGRA and LoRA, from the blocks it holds
 (``memory.inventory``).
 
-Per method: bf16 weights; dense Adam's fp32 grad buffer and its fp32 main + Adam moments
-sharded over DP (megatron's distributed optimizer); LoGRA's fp32 sketches (out x r,
-DP-reduced, whole), row states and fp32 masters sharded over DP by whole rows, projections
+Per method: bf16 weights (norm weights fp32, as megatron-core keeps them); dense Adam's
+fp32 grad buffer and its fp32 main + Adam moments sharded over DP (megatron's distributed
+optimizer); LoGRA's fp32 sketches (out x r, DP-reduced, whole), row states and fp32
+masters sharded over DP by whole rows, projections
 A (bf16 when exact); LoRA's adapters with dense Adam's state. Activations op by op (with or
 without full recompute), times the microbatches the rank's pipeline stage keeps in flight
 (1F1B: PP - stage). The optimizer step's transient is derived from the ops the step runs
-(``step_transient``), and the peak is the larger of it and the activations.
+(``step_transient``), predicted-KL control's probe passes (``kl_probe_bytes``), and the
+peak is the model state plus the largest of them.
 """
 
 from __future__ import annotations
 
+from megatron_logra.kl.budget import CHUNK_TOKENS
 from megatron_logra.logra.row_adam import DEFAULT_CHUNK_ROWS as CHUNK_ROWS
 from megatron_logra.memory.inventory import ROLES, Local, model_of, rank_params
 
@@ -33,9 +36,10 @@ def model_state(blocks: list[Local], dp: int, *, method: str, rank: int = 256,
                 master: str = "fp32", targets: tuple[str, ...] = ROLES,
                 untargeted: str = "frozen", lora_rank: int = 16) -> dict[str, float]:
     """Bytes by category of one rank's model state (what
-    ``benchmarks/_train_probe.model_state_bytes`` counts on a live model)."""
+    ``held_state.model_state_bytes`` counts on a live rank)."""
     dense_state = lambda n: (4 * n, 12 * n / dp)  # noqa: E731  fp32 grads; main, m, v
-    out = {"params": 2 * sum(b.numel for b in blocks), "grads": 0.0, "dense_optimizer": 0.0}
+    out = {"params": sum((4 if b.role == "norm" else 2) * b.numel for b in blocks),
+           "grads": 0.0, "dense_optimizer": 0.0}
     if method == "dense_adam":
         trained = sum(b.numel for b in blocks)
     elif method == "lora":
@@ -154,11 +158,40 @@ def step_transient(blocks: list[Local], dp: int, *, method: str, rank: int,
     return worst
 
 
+def kl_probe_bytes(arch, tp: int, pp: int, stage: int, *, rows: int, length: int,
+                   response_tokens: int) -> float:
+    """Peak bytes of predicted-KL control's probe passes beyond the model state
+    (``kl.controller``: a forward-mode pass of ``rows`` probe sequences of ``length``
+    tokens, ``response_tokens`` of each generated, then a plain forward), whichever is
+    larger of:
+
+    - a layer's unfused attention under forward AD (megatron-core's local spec, which the
+      tangent needs): the bf16 scores and their tangent (4 bytes) and the softmax's fp32
+      copies with their tangents at its peak (20 bytes, counted by tracing megatron-core
+      0.16.1's ``forward_torch_softmax``: the dry run), and the scores' bf16 buffer (2),
+      per entry of [rows, heads/TP, length, length];
+    - on the last stage, the logits [length, rows, Vp/TP] and their tangent in bf16 and
+      the [rows, length] copies GPTModel returns (8 bytes per entry), or those copies with
+      the response rows of logits and tangent (4 bytes per response token and entry) and
+      the fp64 temporaries of one chunk of the quadratic form (6 [256, Vp/TP] fp64)."""
+    attention = 26 * rows * arch.num_attention_heads / tp * length ** 2
+    if stage != pp - 1:
+        return attention
+    vocab = arch.padded_vocab_size / tp
+    entries = rows * length * vocab
+    responses = rows * min(length, response_tokens) * vocab
+    head = max(8 * entries, 4 * entries + 4 * responses + 48 * CHUNK_TOKENS * vocab)
+    return max(attention, head)
+
+
 def plan(shape: str, tp: int, pp: int, dp: int, *, method: str, rank: int = 256,
          master: str = "fp32", seq: int = 4096, mbs: int = 1, microbatches: int = 1,
          recompute: bool = True, targets: tuple[str, ...] = ROLES,
-         untargeted: str = "frozen", lora_rank: int = 16) -> dict:
-    """Bytes of every pipeline stage's rank, and the busiest (model state; peak)."""
+         untargeted: str = "frozen", lora_rank: int = 16,
+         kl_probe: tuple[int, int, int] | None = None) -> dict:
+    """Bytes of every pipeline stage's rank, and the busiest (model state; peak).
+    ``kl_probe``: predicted-KL control's probe (rows, tokens, generated tokens of each;
+    ``kl_probe_bytes``), None without the control."""
     arch, _ = model_of(shape)
     stages = []
     for stage in range(pp):
@@ -172,8 +205,11 @@ def plan(shape: str, tp: int, pp: int, dp: int, *, method: str, rank: int = 256,
                                frozen_norms=frozen_norms, lora_rank=lora_rank)
         transient = step_transient(blocks, dp, method=method, rank=rank, master=master,
                                    targets=targets)
+        kl = 0.0 if kl_probe is None else kl_probe_bytes(
+            arch, tp, pp, stage, rows=kl_probe[0], length=kl_probe[1],
+            response_tokens=kl_probe[2])
         stages.append({"model_state": state["total"], "state": state, "activations": act,
-                       "step_transient": transient,
-                       "peak": state["total"] + max(act, transient)})
+                       "step_transient": transient, "kl_probe": kl,
+                       "peak": state["total"] + max(act, transient, kl)})
     return {"stages": stages, "model_state": max(s["model_state"] for s in stages),
             "peak": max(s["peak"] for s in stages)}

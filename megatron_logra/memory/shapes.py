@@ -15,15 +15,17 @@ SHAPES = {  # HF config fields of the shapes built by ``model.tiny_assets.tiny_h
     "small": dict(family="llama", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                   intermediate_size=768, vocab_size=4096),  # tests: still quick, less tiny
     "smollm2-135m": dict(family="llama", hidden_size=576, num_layers=30, num_heads=9,
-                         num_kv_heads=3, intermediate_size=1536, vocab_size=49152),
+                         num_kv_heads=3, intermediate_size=1536, vocab_size=49152,
+                         max_position_embeddings=8192),
     "llama-160m": dict(family="llama", hidden_size=1024, num_layers=8, num_heads=8,
                        num_kv_heads=4, intermediate_size=2816, vocab_size=32000,
                        tie_word_embeddings=False),  # benchmarks/weight_push.py
     "qwen2.5-1.5b": dict(family="qwen2", hidden_size=1536, num_layers=28, num_heads=12,
-                         num_kv_heads=2, intermediate_size=8960, vocab_size=151936),
+                         num_kv_heads=2, intermediate_size=8960, vocab_size=151936,
+                         max_position_embeddings=4096),  # Qwen2.5-Math-1.5B's
     "qwen2.5-7b": dict(family="qwen2", hidden_size=3584, num_layers=28, num_heads=28,
                        num_kv_heads=4, intermediate_size=18944, vocab_size=152064,
-                       tie_word_embeddings=False),
+                       tie_word_embeddings=False, max_position_embeddings=32768),
 }
 CONFIG_SHAPES = ("qwen3-27b",)  # shapes given as a whole config.json: assets/NAME/
 PAPER_SHAPES = {"1.5B": "qwen2.5-1.5b", "7B": "qwen2.5-7b", "27B": "qwen3-27b"}

@@ -171,9 +171,16 @@ def _construct(arch: ModelArch, build: ModelBuildConfig) -> GPTModel:
 
 
 def build_gpt_model(arch: ModelArch, build: ModelBuildConfig, seed: int) -> GPTModel:
-    """This rank's stage of the model, on the runtime device, random-initialised from ``seed``."""
-    model = _construct(arch, build)
-    model.to(current_device())
+    """This rank's stage of the model, on the runtime device, random-initialised from ``seed``.
+
+    Built on the device itself (megatron's ``use_cpu_initialization`` allocates without
+    a device, so the default device decides): a GPU rank never holds its stage in host
+    memory first. What megatron places elsewhere explicitly is moved after."""
+    device = current_device()
+    with torch.device(device):
+        model = _construct(arch, build)
+    if any(t.device != device for t in (*model.parameters(), *model.buffers())):
+        model.to(device)
     init_weights(model, arch, seed)
     if build.customization is not None:
         build.customization.init_params(model, arch, seed)

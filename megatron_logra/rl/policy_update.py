@@ -34,7 +34,8 @@ class PolicyUpdate:
         self.training, self.rl = cfg.training, cfg.rl
         kl = cfg.rl.kl
         self.kl_step = None if kl.control == "none" else PredictedKLStep(
-            kl, temperature=cfg.rl.temperature, vocab_size=objs.arch.vocab_size)
+            kl, temperature=cfg.rl.temperature, vocab_size=objs.arch.vocab_size,
+            max_response_tokens=cfg.rl.max_new_tokens)
         opt = cfg.optimizer
         self.adam_cosine = AdamCosine(objs.model, beta1=opt.adam_beta1, beta2=opt.adam_beta2,
                                       eps=opt.adam_eps) if cfg.training.log_adam_cosine else None

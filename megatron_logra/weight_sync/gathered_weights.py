@@ -25,7 +25,6 @@ from megatron_logra.model.hf_mapping import (hf_from_megatron, megatron_param_na
                                              megatron_param_shape)
 from megatron_logra.model.provider import canonical_param_names, served_parameters, unwrap
 from megatron_logra.model.sharding import full_of_shards, tp_split
-from megatron_logra.runtime.collectives import every_rank
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -38,24 +37,41 @@ class PushPlan:
 
 
 def plan_push(model_chunks, arch: ModelArch) -> PushPlan:
-    """Collective over the world (once per run): every rank's (pp, tp, dp) coordinates and
-    parameter names -> the sender of each parameter (lowest stage, TP rank 0, DP rank 0)."""
-    names = set(canonical_param_names(model_chunks[0], arch).values())
-    mine = (parallel_state.get_pipeline_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_data_parallel_rank(), sorted(names))
-    everyone = every_rank(mine)
-    sender: dict[str, tuple[int, int]] = {}
-    for rank, (pp, tp, dp, held) in enumerate(everyone):
-        if tp or dp:
-            continue
-        for name in held:
-            if name not in sender or pp < sender[name][0]:
-                sender[name] = (pp, rank)
-    missing = [n for n in megatron_param_names(arch) if n not in sender]
-    if missing:
-        raise RuntimeError(f"weight push: no rank holds {missing[:3]}")
-    return PushPlan({n: rank for n, (_, rank) in sender.items()})
+    """The sender of each canonical parameter: TP rank 0, DP rank 0 of the first pipeline
+    stage that holds it (a tied embedding: the first stage's copy). From the layout alone,
+    no collective: megatron-core numbers the ranks TP fastest, then DP, then PP (its
+    default order, "tp-cp-ep-dp-pp" without CP and EP), which this rank's own groups are
+    checked against; the layers split evenly over the stages (``ModelArch.check_parallel``).
+    ``model_chunks``: this rank's (unused: every rank's plan is the same)."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    dp = parallel_state.get_data_parallel_world_size()
+    _check_rank_order(tp, pp, dp)
+    per_stage = arch.num_layers // pp
+    return PushPlan({name: _stage_of(name, per_stage, pp) * tp * dp
+                     for name in megatron_param_names(arch)})
+
+
+def _stage_of(name: str, per_stage: int, pp: int) -> int:
+    """The first pipeline stage holding canonical parameter ``name``."""
+    if name.startswith("decoder.layers."):
+        return int(name.split(".")[2]) // per_stage
+    if name.startswith("embedding."):
+        return 0
+    return pp - 1  # the final norm, an untied output layer
+
+
+def _check_rank_order(tp: int, pp: int, dp: int) -> None:
+    """Refuse a rank numbering other than TP fastest, then DP, then PP (``plan_push``)."""
+    t = parallel_state.get_tensor_model_parallel_rank()
+    d = parallel_state.get_data_parallel_rank()
+    pipeline = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    tensor = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
+    if (pipeline != [t + tp * (d + dp * s) for s in range(pp)]
+            or tensor != [tensor[0] + i for i in range(tp)]):
+        raise RuntimeError(f"weight push: megatron-core numbered the ranks in another order "
+                           f"than TP, DP, PP (pipeline group {pipeline}, tensor group "
+                           f"{tensor}); plan_push assumes its default order")
 
 
 @torch.no_grad()

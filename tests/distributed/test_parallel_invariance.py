@@ -71,6 +71,7 @@ def _plan(tmp: Path, world: int) -> list[dict]:
                 run("logra_adam_ref", *LGA), run("logra_ref_3_updates", *LG, "--train-iters", "3"),
                 kl("tp1_adam", 1, 1, "adam"), kl("tp1_logra", 1, 1, "logra"),
                 kl("tp1_adam_bf16", 1, 1, "adam", bf16=True),
+                kl("tp1_logra_bf16", 1, 1, "logra", bf16=True),
                 run("lora_ref", *LR), {"name": "lora_init", "init_weights": run("", *LR)["argv"]}]
     if world == 2:
         return [
@@ -90,6 +91,7 @@ def _plan(tmp: Path, world: int) -> list[dict]:
             kl("tp2_logra", 2, 1, "logra"), kl("pp2_logra", 1, 2, "logra"),
             kl("dp2_logra_do", 1, 1, "logra", True),
             kl("dp2_adam_do_bf16", 1, 1, "adam", True, bf16=True),
+            kl("pp2_logra_bf16", 1, 2, "logra", bf16=True),
             {"name": "sketch_pp2", "sketch_check": [1, 2]},
             run("logra_tp2", *LG, *TP2), run("logra_pp2", *LG, *PP2), run("logra_dp2", *LG),
             run("logra_dp2_do", *LG, *DO), run("logra_adam_dp2_do", *LGA, *DO),
@@ -377,6 +379,17 @@ def test_bf16_dense_tangent_from_sharded_main_params(results):
     the same K, alpha and realized KL (measured: identical). Shards laid out per rank (the
     first version of this code) gave a K 5% off."""
     ref, got = results["kl_tp1_adam_bf16"], results["kl_dp2_adam_do_bf16"]
+    assert ref["ok"] and got["ok"] and 0 < ref["alpha"] < 3.0, ref
+    for key in ("kl_quadratic", "alpha", "kl_realized"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-3), (key, got, ref)
+
+
+def test_bf16_tangent_crosses_pipeline_stages(results):
+    """bf16 weights at PP2: the later stage receives the hidden state and its tangent in
+    the activations' dtype (megatron's pipeline dtype), not its first parameter's (a norm
+    weight, fp32): the same K, alpha and realized KL as one process (the fp32 receive the
+    dry run found met a bf16 send)."""
+    ref, got = results["kl_tp1_logra_bf16"], results["kl_pp2_logra_bf16"]
     assert ref["ok"] and got["ok"] and 0 < ref["alpha"] < 3.0, ref
     for key in ("kl_quadratic", "alpha", "kl_realized"):
         assert got[key] == pytest.approx(ref[key], rel=1e-3), (key, got, ref)

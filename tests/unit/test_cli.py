@@ -51,7 +51,8 @@ EXPECTED_FLAGS = {
     "--dynamic-sampling-max-rounds", "--save-keep", "--auto-resume",
     "--max-skipped-updates", "--rollout-replicas", "--async-rollouts", "--max-staleness",
     "--max-staleness-kl", "--stale-samples", "--distributed-timeout-minutes",
-    "--log-adam-cosine",
+    "--log-adam-cosine", "--dry-run", "--dry-run-world-size", "--dry-run-ranks",
+    "--dry-run-gpus-per-node", "--dry-run-gpu-gib",
 }
 
 

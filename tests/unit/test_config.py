@@ -141,7 +141,8 @@ def test_a_field_is_named_as_its_flag():
     --async-rollouts and its bounds). The flags named otherwise, on purpose: --optimizer
     (OptimizerConfig.name), --task (the parsed DataConfig.tasks), --weight-sync
     (WeightSyncConfig.transport, the transport it picks), --sync-bucket-mb
-    (WeightSyncConfig.bucket_mb), --reward (VerifierConfig.reward)."""
+    (WeightSyncConfig.bucket_mb), --reward (VerifierConfig.reward), --dry-run
+    (DryRunConfig.enabled, the switch its --dry-run-* flags belong to)."""
     import dataclasses
 
     from megatron_logra.cli import FLAG_GROUPS
@@ -156,7 +157,8 @@ def test_a_field_is_named_as_its_flag():
     assert renamed == {"--optimizer": "OptimizerConfig.name", "--task": "DataConfig.tasks",
                        "--weight-sync": "WeightSyncConfig.transport",
                        "--sync-bucket-mb": "WeightSyncConfig.bucket_mb",
-                       "--reward": "VerifierConfig.reward"}
+                       "--reward": "VerifierConfig.reward",
+                       "--dry-run": "DryRunConfig.enabled"}
     assert {"kl", "weight_sync", "rollout", "verifier", "objective", "staleness"} <= {
         f.name for f in dataclasses.fields(RLConfig)}
     assert (KLControlConfig.FLAG_PREFIX, WeightSyncConfig.FLAG_PREFIX, LograConfig.FLAG_PREFIX,

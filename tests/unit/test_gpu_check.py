@@ -107,6 +107,29 @@ def test_gpu_mode_refuses_without_cuda(tmp_path):
     assert proc.returncode != 0 and "no CUDA device" in proc.stderr
 
 
+def test_measured_peaks_are_compared_with_the_dry_runs(tmp_path, monkeypatch):
+    """Part 3 puts each measured peak beside the dry run's of the same step (read from
+    benchmarks/dry_run.py's report): within 10% passes, beyond fails; a spec the report
+    does not hold (the CPU scale's) is a note, not a check."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import gpu_check
+
+    gpu = gpu_check.GPU
+    spec = {"shape": gpu.probe_shape, "seq_length": gpu.probe_seq, "micro_batch_size": 1,
+            "microbatches": gpu.probe_microbatches, "recompute": True, "rank": gpu.probe_rank}
+    report = tmp_path / "dry_run.json"
+    report.write_text(json.dumps({"gpu_check": {"spec": spec, "variants": {
+        "dense_adam": {"peak_mem_bytes": 109}, "lora": {"peak_mem_bytes": 89}}}}))
+    measured = {"dense_adam": {"peak_mem_bytes": 100}, "lora": {"peak_mem_bytes": 100},
+                "logra_fp32_master": {"peak_mem_bytes": 100}}
+    got = gpu_check.dry_run_comparison(measured, gpu, report)
+    assert got["dense_adam"] == {"dry_run_peak_bytes": 109, "measured_peak_bytes": 100,
+                                 "dry_run_over_measured": 1.09, "ok": True}
+    assert got["lora"]["ok"] is False and "logra_fp32_master" not in got
+    assert gpu_check.failed_checks({"memory": {"dry_run": got}}) == ["memory.dry_run.lora"]
+    assert set(gpu_check.dry_run_comparison(measured, gpu_check.CPU, report)) == {"note"}
+
+
 def test_the_machine_packages_are_named_when_missing():
     """What `make gpu-check` does not install must be on the GPU machine; a missing one is
     named before any work (here: every one is importable, and a made-up one is not)."""

@@ -73,9 +73,12 @@ def test_projected_layouts_are_the_ones_the_cli_accepts(shape, tp, pp):
 def test_dense_adam_shards_only_its_optimizer_over_dp():
     blocks = rank_params("smollm2-135m", 1, 1, 0)
     n = _numel(blocks)
+    norms = sum(b.numel for b in blocks if b.role == "norm")
+    assert 0 < norms == 61 * 576  # two per layer and the final one, kept in fp32
     for dp in (1, 2, 4):
         state = model_state(blocks, dp, method="dense_adam")
-        assert state["total"] == 2 * n + 4 * n + 12 * n / dp  # bf16 w, fp32 grad, sharded
+        # bf16 weights (fp32 norms), fp32 grads, fp32 main + moments sharded over DP
+        assert state["total"] == 2 * n + 2 * norms + 4 * n + 12 * n / dp
         logra = model_state(blocks, dp, method="logra", master="fp32")
         assert logra["grads"] == logra["dense_optimizer"] == 0  # untargeted frozen
         assert logra["logra_masters"] == pytest.approx(
@@ -89,8 +92,8 @@ def test_sync_projection_counts_the_model_megatron_builds():
     _, params = model_of("qwen3-27b")
     got = sync_bytes("qwen3-27b", 256)
     assert got["full_bytes"] == 2 * sum(math.prod(p.shape) for p in params)
-    rows = sum(p.shape[0] for p in params if p.role != "other")
-    small = sum(math.prod(p.shape) for p in params if p.role == "other")
+    rows = sum(p.shape[0] for p in params if p.role not in ("norm", "other"))
+    small = sum(math.prod(p.shape) for p in params if p.role in ("norm", "other"))
     assert got["sketch_delta_bytes"] == rows * (2 * 256 + 8) + 2 * small
     assert 0.03 < got["sync_bytes_ratio"] < 0.05
 
