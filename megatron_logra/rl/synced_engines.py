@@ -84,18 +84,22 @@ class SyncedEngines:
                 self.stats.pushes += 1
                 return
             if self.rank == 0:
-                print(f"weight push"
-                      f"{' to ' + self.engines.name(replica) if self.replicas > 1 else ''} "
-                      f"failed ({failed}); restarting the engine", flush=True)
+                print(f"weight push to {self.engines.name(replica)} failed ({failed}); "
+                      f"restarting the engine", flush=True)
                 self.engines.restart(replica)
-        raise RuntimeError(f"weight push failed {TRIES} times: see the engine errors above")
+        name = rank0_value(self.engines.name(replica) if self.rank == 0 else None)
+        raise RuntimeError(f"weight push to {name} failed {TRIES} times: see the engine "
+                           f"errors above")
 
     def _push_once(self, replica: int, version: int) -> tuple[str, int]:
         """(failure message or "", bytes sent)."""
         failed = self.engines.start([replica])[replica]
         if failed:
             return failed, 0
-        result = self.sync.push(self.engines.servers[replica], version)
+        server = self.engines.servers[replica]
+        # each server's own TP size (servers at several URLs may differ): its workers' blocks
+        self.sync.use(replica, rank0_value(server.world_size if self.rank == 0 else None))
+        result = self.sync.push(server, version)
         return result.failed, result.sent
 
     def mismatches(self) -> int | None:
@@ -121,7 +125,10 @@ class SyncedEngines:
                 return done
             for replica in restarted:
                 self.push_to(replica, version)
-        raise RuntimeError(f"rollouts failed {TRIES} times: see the engine errors above")
+        names = rank0_value([self.engines.name(r) for r in restarted] if self.rank == 0
+                            else None)
+        raise RuntimeError(f"rollouts failed {TRIES} times ({', '.join(names)}): see the "
+                           f"engine errors above")
 
     def generate_here(self, requests: list[SampleRequest], version: int,
                       phase: str = "rollouts") -> list[Completion]:
