@@ -6,8 +6,9 @@ the same launch, checked from inside.
         [the docs' trainer flags]
 
 For each layout, around each of ``UPDATES`` updates, rank 0 records each server's
-generated-token counter (``/metrics``) and the tokens of the samples the trainer got (in
-the order of the requests, which are split over the servers in order), the update's push
+generated- and prompt-token counters (``/metrics``) and each sample's response and
+prompt lengths (in the order of the requests, which are split over the servers in
+order), the update's push
 transport and, per server, the HF tensors whose vLLM checksums differ from the trainer's.
 In the last layout the test's second server is killed (its process group,
 ``ENGINE_URLS_KILL_PGID``) before one more update: rank 0 records the error the run
@@ -59,18 +60,23 @@ def _check_layout(argv: list[str], kill: bool) -> dict:
     out = {"urls": list(urls), "start_mismatches": _per_server_mismatches(run), "updates": []}
     try:
         for update in range(UPDATES):
-            before = [generated_tokens(u) for u in urls] if rank0 else []
+            before = [(generated_tokens(u), generated_tokens(u, "prompt_tokens"))
+                      for u in urls] if rank0 else []
             tokens = []
 
             def record(samples):
-                tokens.append([len(s.response_ids) for s in samples])
+                tokens.append(([len(s.response_ids) for s in samples],
+                               [len(s.prompt_ids) for s in samples]))
                 return plus_minus_advantages(samples)
             rec = run.step(update, adjust_samples=record)
             mismatches = _per_server_mismatches(run)
             if rank0:
                 out["updates"].append({
-                    "server_tokens": [generated_tokens(u) - b for u, b in zip(urls, before)],
-                    "sample_tokens": tokens[0], "transport": rec["sync_transport"],
+                    "server_tokens": [generated_tokens(u) - b for u, (b, _) in zip(urls, before)],
+                    "server_prompt_tokens": [generated_tokens(u, "prompt_tokens") - b
+                                             for u, (_, b) in zip(urls, before)],
+                    "sample_tokens": tokens[0][0], "prompt_tokens": tokens[0][1],
+                    "transport": rec["sync_transport"],
                     "mismatches": mismatches, "checksum_mismatches": rec["checksum_mismatches"],
                     "restarts": rec["engine_restarts"]})
         if kill:

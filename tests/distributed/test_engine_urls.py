@@ -8,8 +8,9 @@ trainer command printed under them is run, its flags as printed, through
 each). Checked:
 
 - the prompts are split over both servers as over local replicas: each server's
-  generated-token counter grew by exactly the tokens of its contiguous half of the
-  samples (server A the first half, B the second);
+  generated- and prompt-token counters grew by exactly the tokens of its contiguous half
+  of the samples (server A the first half, B the second; the prompts' lengths tell the
+  halves apart);
 - every update went to both servers as a sketch delta, and after the start-up push and
   every update vLLM's checksums on each server equal the trainer's (0 mismatches), with
   no restarts;
@@ -72,6 +73,7 @@ def launch(tmp_path_factory) -> tuple[dict, str, list[str]]:
                    ENGINE_URLS_KILL_PGID=str(procs[1].pid))
         proc = subprocess.run(cmd, cwd=WORKER.parent, env=env, capture_output=True,
                               text=True, timeout=900)
+        (tmp / "trainer.out").write_text(proc.stdout + proc.stderr)
         logs = "".join((tmp / f"server-{k}.log").read_text()[-2000:] for k in range(2))
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:] + logs
         return json.loads(out.read_text()), proc.stdout, urls
@@ -86,9 +88,13 @@ def test_the_prompts_are_split_over_both_servers_in_order(launch, layout):
     result, _, urls = launch
     assert result[layout]["urls"] == urls
     for update in result[layout]["updates"]:
-        tokens = update["sample_tokens"]
+        tokens, prompts = update["sample_tokens"], update["prompt_tokens"]
         half = (len(tokens) + 1) // 2  # split_evenly: the first part one longer when odd
         assert update["server_tokens"] == [sum(tokens[:half]), sum(tokens[half:])], update
+        # the prompts' lengths differ: these tell which samples went where
+        assert update["server_prompt_tokens"] == [sum(prompts[:half]),
+                                                  sum(prompts[half:])], update
+        assert sum(prompts[:half]) != sum(prompts[half:])  # else the check above is blind
         assert min(update["server_tokens"]) > 0
 
 
@@ -112,5 +118,6 @@ def test_a_killed_server_is_named_by_its_url_and_the_run_stops(launch):
     assert dp2["stop_s"] < 120  # 4 waits of 5 s and the tries, not 10 min
     assert f"{url_b} does not answer (connection refused" in stdout
     assert "--rollout-engine-url-wait-s" in stdout
-    failures = [line for line in stdout.splitlines() if "failed" in line]
+    failures = [line for line in stdout.splitlines()
+                if "failed" in line and not line.startswith("[engine urls]")]
     assert failures and all(url_a not in line for line in failures)
