@@ -57,7 +57,8 @@ def _check_layout(argv: list[str], kill: bool) -> dict:
     cfg = parse_run_config(argv)
     urls, rank0 = cfg.rl.rollout.engine_urls, dist.get_rank() == 0
     run = RLStage(cfg)
-    out = {"urls": list(urls), "start_mismatches": _per_server_mismatches(run), "updates": []}
+    out = {"urls": list(urls), "start_mismatches": _per_server_mismatches(run), "updates": [],
+           "server_tp": [s.world_size for s in run.engines.engines.servers] if rank0 else []}
     try:
         for update in range(UPDATES):
             before = [(generated_tokens(u), generated_tokens(u, "prompt_tokens"))

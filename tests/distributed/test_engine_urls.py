@@ -1,8 +1,9 @@
 """Several vLLM servers by URL (``--rollout-engine-url URL_A,URL_B``), end to end.
 
 Two servers are started on this host as docs/usage.md's "Several servers" prints them
-(the two server commands parsed out of the markdown, ``testing.docs_commands``: TP1,
-bf16, ``--load-format dummy`` on a folder with config and tokenizer only), and the
+(the two server commands parsed out of the markdown, ``testing.docs_commands``: one at
+TP1 and one at TP2, bf16, ``--load-format dummy`` on a folder with config and tokenizer
+only), and the
 trainer command printed under them is run, its flags as printed, through
 ``engine_urls_worker.py`` at TP2 and at DP2 in one torchrun launch (two LoGRA updates
 each). Checked:
@@ -13,7 +14,7 @@ each). Checked:
   halves apart);
 - every update went to both servers as a sketch delta, and after the start-up push and
   every update vLLM's checksums on each server equal the trainer's (0 mismatches), with
-  no restarts;
+  no restarts: the trainer sliced its shards for each server's own TP size (1 and 2);
 - in the DP2 run server B is killed before a third update: the trainer names B's URL at
   once (connection refused), waits the short wait for it (``--rollout-engine-url-wait-s
   5``), and after 3 failed tries stops with an error naming B's URL and not A's, in well
@@ -101,6 +102,7 @@ def test_the_prompts_are_split_over_both_servers_in_order(launch, layout):
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
 def test_sketch_deltas_leave_both_servers_equal_to_the_trainer(launch, layout):
     result = launch[0][layout]
+    assert result["server_tp"] == [1, 2]  # each server's own size, read from it
     assert result["start_mismatches"] == [0, 0]
     assert len(result["updates"]) == 2
     for update in result["updates"]:

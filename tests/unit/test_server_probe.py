@@ -52,7 +52,7 @@ class _Server:
                 pass
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
 
     def close(self):
         self.httpd.shutdown()
@@ -82,9 +82,9 @@ def test_a_closed_port_is_connection_refused_waited_for_briefly_and_named():
     assert not seen.usable and seen.transient and "connection refused" in seen.reason
     t0 = time.monotonic()
     with pytest.raises(EngineError) as err:
-        wait_for_server(url, 2.0, out=lambda *a, **k: lines.append(a[0]))
+        wait_for_server(url, 1.0, out=lambda *a, **k: lines.append(a[0]))
     took = time.monotonic() - t0
-    assert 2.0 <= took < 4.0  # the wait asked for, not the 600 s start-up wait
+    assert 1.0 <= took < 3.0  # the wait asked for, not the 600 s start-up wait
     assert url in str(err.value) and "connection refused" in str(err.value)
     assert WAIT_FLAG in str(err.value)
     assert lines and lines[0].startswith(f"rollout engine: {url} does not answer "
@@ -103,7 +103,7 @@ def test_a_listener_that_never_answers_is_a_timeout():
         assert not seen.usable and seen.transient
         assert "accepts connections but sent no answer to GET /health in 1 s" in seen.reason
         with pytest.raises(EngineError, match="sent no answer.*" + WAIT_FLAG):
-            wait_for_server(url, 2.0, out=lambda *a, **k: None)
+            wait_for_server(url, 1.0, out=lambda *a, **k: None)
 
 
 def test_a_host_that_does_not_resolve_is_named():
@@ -148,8 +148,8 @@ def test_a_usable_server_passes_at_once(serve):
 
 
 def test_a_starting_vllm_is_waited_for_with_progress_lines(serve, monkeypatch):
-    monkeypatch.setattr(server_probe, "PROGRESS_S", 0.5)
-    url, lines = serve(VLLM, ready_after=2.0), []
+    monkeypatch.setattr(server_probe, "PROGRESS_S", 0.3)
+    url, lines = serve(VLLM, ready_after=1.2), []
     first = probe(url)
     assert not first.usable and first.transient and "GET /health with 503" in first.reason
     wait_for_server(url, 10.0, out=lambda *a, **k: lines.append(a[0]))
@@ -161,6 +161,6 @@ def test_a_starting_vllm_is_waited_for_with_progress_lines(serve, monkeypatch):
 def test_a_starting_vllm_that_never_gets_ready_fails_after_the_wait(serve):
     url = serve(VLLM, ready_after=1e9)
     with pytest.raises(EngineError) as err:
-        wait_for_server(url, 1.5, out=lambda *a, **k: None)
-    assert "no usable vLLM server after 2 s" in str(err.value)
+        wait_for_server(url, 1.0, out=lambda *a, **k: None)
+    assert "no usable vLLM server after 1 s" in str(err.value)
     assert "503" in str(err.value) and WAIT_FLAG in str(err.value)
