@@ -155,6 +155,10 @@ class PushTarget(Protocol):
     """Which start of the engine this is: a fresh one (restarted) needs the weight group
     joined again (``channel.DirectChannel.join``)."""
 
+    world_size: int
+    """The engine's workers (its TP size): the trainer slices its shards for them
+    (``channel.DirectChannel.use``)."""
+
     @property
     def version(self) -> int:
         """The weight version the engine serves (-1 before the first push)."""
