@@ -84,12 +84,14 @@ class SyncedEngines:
                 self.stats.pushes += 1
                 return
             if self.rank == 0:
-                print(f"weight push to {self.engines.name(replica)} failed ({failed}); "
-                      f"restarting the engine", flush=True)
+                print(f"weight push"
+                      f"{' to ' + self.engines.name(replica) if self.replicas > 1 else ''} "
+                      f"failed ({failed}); restarting the engine", flush=True)
                 self.engines.restart(replica)
         name = rank0_value(self.engines.name(replica) if self.rank == 0 else None)
-        raise RuntimeError(f"weight push to {name} failed {TRIES} times: see the engine "
-                           f"errors above")
+        to = "" if name == "engine" else f" to {name}"  # one engine started here: no name
+        raise RuntimeError(f"weight push{to} failed {TRIES} times: see the engine errors "
+                           f"above")
 
     def _push_once(self, replica: int, version: int) -> tuple[str, int]:
         """(failure message or "", bytes sent)."""

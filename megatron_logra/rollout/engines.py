@@ -303,8 +303,10 @@ class RolloutEngines:
                 done = self.generate_here(requests, version, phase)
             except _ReplicaErrors as exc:
                 failed = exc.replicas
-                names = ", ".join(self.name(r) for r in failed)
-                print(f"rollout failed ({exc}); restarting {names}", flush=True)
+                which = f"s {failed}" if self.replicas > 1 else ""
+                urls = [self.specs[r].url for r in failed if self.specs[r].url]
+                at = f" ({', '.join(urls)})" if urls else ""
+                print(f"rollout failed ({exc}); restarting the engine{which}{at}", flush=True)
                 for replica in failed:
                     self.restart(replica)
         failed = rank0_value(failed)  # the others follow rank 0's engines
