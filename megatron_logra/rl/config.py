@@ -194,7 +194,7 @@ class RLConfig:
             raise ValueError("--async-rollouts generates while the trainer trains; "
                              "--rollout-placement colocated takes turns on the same devices: "
                              "use dedicated (or inherit) placement")
-        check_engines(self.weight_sync.transport, self.rollout.replicas)
+        check_engines(self.weight_sync.transport, self.rollout.engines)
 
     def _check_objective(self) -> None:
         """PPO steps, GRPO variants and dynamic sampling."""

@@ -88,14 +88,20 @@ class SyncedEngines:
                       f"{' to ' + self.engines.name(replica) if self.replicas > 1 else ''} "
                       f"failed ({failed}); restarting the engine", flush=True)
                 self.engines.restart(replica)
-        raise RuntimeError(f"weight push failed {TRIES} times: see the engine errors above")
+        name = rank0_value(self.engines.name(replica) if self.rank == 0 else None)
+        to = "" if name == "engine" else f" to {name}"  # one engine started here: no name
+        raise RuntimeError(f"weight push{to} failed {TRIES} times: see the engine errors "
+                           f"above")
 
     def _push_once(self, replica: int, version: int) -> tuple[str, int]:
         """(failure message or "", bytes sent)."""
         failed = self.engines.start([replica])[replica]
         if failed:
             return failed, 0
-        result = self.sync.push(self.engines.servers[replica], version)
+        server = self.engines.servers[replica]
+        # each server's own TP size (servers at several URLs may differ): its workers' blocks
+        self.sync.use(replica, rank0_value(server.world_size if self.rank == 0 else None))
+        result = self.sync.push(server, version)
         return result.failed, result.sent
 
     def mismatches(self) -> int | None:
@@ -121,7 +127,10 @@ class SyncedEngines:
                 return done
             for replica in restarted:
                 self.push_to(replica, version)
-        raise RuntimeError(f"rollouts failed {TRIES} times: see the engine errors above")
+        names = rank0_value([self.engines.name(r) for r in restarted] if self.rank == 0
+                            else None)
+        raise RuntimeError(f"rollouts failed {TRIES} times ({', '.join(names)}): see the "
+                           f"engine errors above")
 
     def generate_here(self, requests: list[SampleRequest], version: int,
                       phase: str = "rollouts") -> list[Completion]:

@@ -75,13 +75,14 @@ def place_engines(engine: EngineConfig) -> tuple[EnginePlacement, list[EnginePla
     shares: list[EnginePlacement] = []
 
     def plan() -> EnginePlacement:
+        remote = bool(engine.engine_urls)
         whole = plan_placement(
             engine.placement, engine.devices, engine_tp=engine.tensor_parallel_size,
             cuda=cuda, node_devices=node_devices(),
             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
             visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
-            remote_engine=bool(engine.engine_url), replicas=engine.replicas)
-        shares.extend(split_replicas(
+            remote_engine=remote, replicas=engine.engines)
+        shares.extend([whole] * engine.engines if remote else split_replicas(
             whole, engine.replicas, engine.tensor_parallel_size, cuda=cuda,
             node_devices=node_devices(), visible=os.environ.get("CUDA_VISIBLE_DEVICES")))
         return whole
@@ -138,13 +139,14 @@ class RolloutEngines:
 
         def specs() -> list[ServerSpec]:  # rank 0
             init_dir = str(engine_init_dir(model_dir, output_dir))
+            urls = engine.engine_urls
             return [ServerSpec(init_dir, max_model_len=max_model_len, engine=engine,
                                lora_rank=lora_rank, env=tuple(placed.env.items()),
                                cpu_cores=placed.engine_cores, sleep_mode=placed.sleep_mode,
-                               replica=replica)
+                               replica=replica, url=urls[replica] if urls else "")
                     for replica, placed in enumerate(shares)]
         made = from_rank0(specs)
-        return cls(made if dist.get_rank() == 0 else None, replicas=engine.replicas,
+        return cls(made if dist.get_rank() == 0 else None, replicas=engine.engines,
                    sleep_mode=placement.sleep_mode, placement=placement,
                    sizer=shared_gpu_sizer(engine, arch, placement, shares))
 
@@ -197,11 +199,11 @@ class RolloutEngines:
                 print(f"rollout engine{which}: vLLM's server restarted in "
                       f"{server.startup_s:.1f}s{asked}", flush=True)
                 return ""
-            url = cfg.engine.engine_url
+            url = cfg.url
             if url:  # a server the user runs: connect, the first push is full
-                server = VllmServer(url, cfg.request_timeout_s, cfg.startup_timeout_s,
-                                    adapter_root=self._adapter_root(cfg))
-                print(f"rollout engine: the vLLM server at {url} (TP{server.world_size}, "
+                server = VllmServer(url, cfg.request_timeout_s, cfg.engine.engine_url_wait_s,
+                                    adapter_root=self._adapter_root(cfg), replica=replica)
+                print(f"rollout engine{which}: the vLLM server at {url} (TP{server.world_size}, "
                       f"serving {server.model}); its weights are replaced by the first push",
                       flush=True)
             else:  # vLLM's server, started here
@@ -219,8 +221,11 @@ class RolloutEngines:
         return ""
 
     def name(self, replica: int) -> str:
-        """"engine R" when there are several engines, else "engine"."""
-        return f"engine {replica}" if self.replicas > 1 else "engine"
+        """"engine R" when there are several engines, else "engine"; a server the user
+        runs with its URL ("engine 1 (http://HOST:PORT)"). Rank 0."""
+        name = f"engine {replica}" if self.replicas > 1 else "engine"
+        url = self.specs[replica].url if self.specs else ""
+        return f"{name} ({url})" if url else name
 
     @staticmethod
     def _adapter_root(cfg: ServerSpec) -> str:
@@ -299,7 +304,9 @@ class RolloutEngines:
             except _ReplicaErrors as exc:
                 failed = exc.replicas
                 which = f"s {failed}" if self.replicas > 1 else ""
-                print(f"rollout failed ({exc}); restarting the engine{which}", flush=True)
+                urls = [self.specs[r].url for r in failed if self.specs[r].url]
+                at = f" ({', '.join(urls)})" if urls else ""
+                print(f"rollout failed ({exc}); restarting the engine{which}{at}", flush=True)
                 for replica in failed:
                     self.restart(replica)
         failed = rank0_value(failed)  # the others follow rank 0's engines

@@ -19,8 +19,8 @@ from megatron_logra.rollout.config import EngineConfig
 class ServerSpec:
     """One vLLM server: the run's engine settings as they are (``engine``, the
     ``--rollout-*`` slice) and what the trainer derives for this server. The server at
-    ``engine.engine_url`` (started by the user): only the timeouts apply; else trainer rank
-    0 starts it (``rollout.server_process``)."""
+    ``url`` (one of ``engine.engine_urls``, started by the user): only the timeouts apply;
+    else trainer rank 0 starts it (``rollout.server_process``)."""
 
     model_dir: str  # config and tokenizer of the policy (the weights come with the first push)
     max_model_len: int
@@ -34,7 +34,8 @@ class ServerSpec:
     # sized from what the trainer left free, measured before each start (set then by
     # ``rollout.engines``, ``engine_memory.SharedGpuSizer``); None: vLLM's default
     gpu_memory_utilization: float | None = None
-    replica: int = 0  # which of --rollout-replicas engines (its log, adapters, weight group)
+    replica: int = 0  # which of the run's engines (its log, adapters, weight group)
+    url: str = ""  # the server the user runs at this address (--rollout-engine-url); "": ours
     # "dummy": the server starts on random weights and the first push brings the
     # trainer's (no weights file anywhere); "auto": it loads ``model_dir``'s (tests)
     load_format: str = "dummy"

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from megatron_logra.rollout.server_probe import wait_for_server
 from megatron_logra.rollout.types import Completion, SampleRequest
 from megatron_logra.weight_sync.contract import EngineError, PushInFlight, PushRefused
 
@@ -52,6 +53,8 @@ class VllmServer:
                  adapter_root: str | None = None, replica: int = 0):
         """``owner``: the ``server_process.LocalServer`` that runs this server (trainer
         rank 0 started it: ``restart`` starts a fresh one); None: a server the user runs.
+        ``connect_timeout_s``: the wait for it to answer (a server the user runs:
+        ``server_probe.wait_for_server``, which says why it does not).
         ``adapter_root``: where LoRA adapters are written for the server to load
         (``--weight-sync lora-adapter``). ``replica``: which of the run's engines this is
         (``--rollout-replicas``)."""
@@ -90,12 +93,18 @@ class VllmServer:
         self.url = url.rstrip("/")
         self.start_id += 1
         self.adapter = None  # a fresh server serves the base
-        self._wait_healthy(self.connect_timeout)
+        if self.owner is None:  # the user's: it should be up; say at once why it is not
+            wait_for_server(self.url, self.connect_timeout, what=self._what())
+        else:
+            self._wait_healthy(self.connect_timeout)
         if self.owner is not None:
             self.owner.note_shm()
         self.model = self._get("v1/models")["data"][0]["id"]
         self.world_size = int(self._get("get_world_size")["world_size"])
         self.startup_s = time.perf_counter() - t0
+
+    def _what(self) -> str:
+        return f"rollout engine {self.replica}" if self.replica else "rollout engine"
 
     @property
     def pid(self) -> int | None:
@@ -348,7 +357,7 @@ class VllmServer:
             return
         self._call, self._update = None, {}
         self.restarts += 1
-        self._wait_healthy(self.timeout)
+        wait_for_server(self.url, self.connect_timeout, what=self._what())
         unversioned = str(UNVERSIONED)  # half-applied weights: the next push must be full
         try:  # close an update the failure left open
             self._post("finish_weight_update", {"weight_version": unversioned})

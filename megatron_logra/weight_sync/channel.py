@@ -65,6 +65,7 @@ class _Link:
 
     group: object = None
     joined: tuple | None = None  # (engine client, its start) the group was built with
+    engine_tp: int | None = None  # the engine's TP size (None: the channel's default)
     wait_s: float = GroupAddress.timeout_s
 
 
@@ -87,7 +88,10 @@ class DirectChannel:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = current_device()
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
-        self.shards = self._my_shards(model_chunks, plan, merged)
+        self._shard_args = (model_chunks, plan, merged)
+        self.default_tp = engine_tp
+        self._shards_by_tp = {engine_tp: self._my_shards(model_chunks, plan, merged)}
+        self.shards = self._shards_by_tp[engine_tp]  # for the engine in ``use``
         # sparse deltas: what each shard last sent, in host memory (``keep_on_host``)
         self.shadow: dict[str, torch.Tensor] = {}
         self.store = None
@@ -99,9 +103,11 @@ class DirectChannel:
         self.sent_here = 0  # bytes this rank has sent (benchmarks)
         self.hf_shapes = hf_param_shapes(arch)
 
-    def _my_shards(self, model_chunks, plan, merged: bool) -> dict[str, _Shard]:
-        """The parameters this rank sends, with the blocks of its shard (LoRA: the merged
-        weights, the value the forward uses, or with ``merged=False`` the base weights)."""
+    def _my_shards(self, model_chunks, plan, merged: bool,
+                   engine_tp: int | None = None) -> dict[str, _Shard]:
+        """The parameters this rank sends, with the blocks of its shard for an engine at
+        TP ``engine_tp`` (None: ``self.engine_tp``) (LoRA: the merged weights, the value
+        the forward uses, or with ``merged=False`` the base weights)."""
         canonical = canonical_param_names(model_chunks[0], arch := self.arch)
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -117,16 +123,23 @@ class DirectChannel:
             if split is None and tp_rank != 0:
                 continue  # replicated over TP: TP rank 0 sends it
             extent = shard_extent(global_shape(param), split, tp_rank, tp_size)
-            blocks = tuple(shard_blocks(arch, name, extent, self.engine_tp))
+            blocks = tuple(shard_blocks(arch, name, extent, engine_tp or self.engine_tp))
             out[name] = _Shard(value if merged else param.detach, blocks)
         return out
 
     # --- the group ---------------------------------------------------------------------------
-    def use(self, replica: int) -> None:
-        """Send the next pushes to engine ``replica`` (--rollout-replicas; every rank): each
-        engine has its own group."""
+    def use(self, replica: int, engine_tp: int | None = None) -> None:
+        """Send the next pushes to engine ``replica`` (every rank): each engine has its own
+        group, and its own TP size (``engine_tp``, remembered for the replica: servers at
+        several URLs may differ; None: as before, at first the channel's)."""
         self.replica = replica
         self.link = self.links.setdefault(replica, _Link())
+        if engine_tp is not None:
+            self.link.engine_tp = engine_tp
+        tp = self.link.engine_tp or self.default_tp
+        if tp not in self._shards_by_tp:  # each worker's blocks of this rank's shards
+            self._shards_by_tp[tp] = self._my_shards(*self._shard_args, engine_tp=tp)
+        self.engine_tp, self.shards = tp, self._shards_by_tp[tp]
 
     @property
     def group(self):
@@ -149,7 +162,7 @@ class DirectChannel:
             # (a fresh client, counting its starts from 1 again) must not meet the keys a
             # dead group left in the store
             self.joins += 1
-            return replace(self.address,
+            return replace(self.address, workers=self.engine_tp,
                            prefix=f"mlogra-direct/{self.replica}-{start}-{self.joins}/")
         address = from_rank0(new_address)
         if address is None:

@@ -113,7 +113,8 @@ def check_engines(transport: str, replicas: int) -> None:
     """Refuse a transport that diffs against one engine's view with ``replicas`` > 1."""
     if replicas > 1 and needs(transport).one_engine:
         raise ValueError(f"--weight-sync {transport} diffs against what was last sent, one "
-                         "engine's view; with --rollout-replicas > 1 use sketch-delta "
+                         "engine's view; with several engines (--rollout-replicas > 1, or "
+                         "several --rollout-engine-url) use sketch-delta "
                          "(LoGRA), lora-adapter (LoRA) or full")
 
 
@@ -153,6 +154,10 @@ class PushTarget(Protocol):
     start_id: int
     """Which start of the engine this is: a fresh one (restarted) needs the weight group
     joined again (``channel.DirectChannel.join``)."""
+
+    world_size: int
+    """The engine's workers (its TP size): the trainer slices its shards for them
+    (``channel.DirectChannel.use``)."""
 
     @property
     def version(self) -> int:

@@ -112,9 +112,10 @@ class WeightSync:
         finally:
             self.forced = before
 
-    def use(self, replica: int) -> None:
-        """The next pushes and checks go to engine ``replica`` (its own weight group)."""
-        self.weights.direct.use(replica)
+    def use(self, replica: int, engine_tp: int | None = None) -> None:
+        """The next pushes and checks go to engine ``replica`` (its own weight group), an
+        engine at TP ``engine_tp`` (None: as last said for it)."""
+        self.weights.direct.use(replica, engine_tp)
 
     def close(self) -> None:
         if self.weights.direct is not None:

@@ -23,12 +23,13 @@ import torch.distributed as dist
 from rl_worker import close_and_write, engine_logprobs, plus_minus_advantages, trainer_logprobs
 
 
-def generated_tokens(url: str) -> float:
-    """The server's ``vllm:generation_tokens_total`` (Prometheus text)."""
+def generated_tokens(url: str, counter: str = "generation_tokens") -> float:
+    """The server's ``vllm:{counter}_total`` (Prometheus text; ``prompt_tokens``: the
+    prompt tokens it was sent)."""
     import requests
 
     text = requests.get(f"{url}/metrics", timeout=30).text
-    return sum(float(m) for m in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)$",
+    return sum(float(m) for m in re.findall(rf"^vllm:{counter}_total\{{[^}}]*\}} (\S+)$",
                                             text, re.M))
 
 

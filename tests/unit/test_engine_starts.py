@@ -33,7 +33,7 @@ class FakeEngine:
 
     def __init__(self, cfg: ServerSpec, events: list):
         self.owner, self.down, self.start_id, self.startup_s = object(), False, 1, 0.0
-        self.url = "http://fake"
+        self.url, self.world_size = "http://fake", cfg.engine.tensor_parallel_size
         self.utilizations = [cfg.gpu_memory_utilization]
         self.events = events
 
@@ -62,7 +62,7 @@ class FakeSync:
     def __init__(self, fail: int = 0):
         self.stats, self.fail, self.pushed = SyncStats(), fail, []
 
-    def use(self, replica):
+    def use(self, replica, engine_tp=None):
         pass
 
     def push(self, engine, version):

@@ -174,6 +174,24 @@ def test_n_trainer_nodes_meet_at_the_first_one_and_the_status_is_the_trainers(tm
     assert "[slurm] trainer exited with status 7" in log
 
 
+def test_two_engine_nodes_are_the_trainers_two_engines(tmp_path):
+    """Each engine node is one engine: the trainer gets their URLs, comma-separated
+    (--rollout-engine-url takes several), and the job waits for both."""
+    job = SlurmJobConfig(run_dir=str(tmp_path / "run"), trainer_nodes=1, engine_nodes=2,
+                         cpus_per_node=2)
+    script = render(plan_job(job, RL, ENTRY))
+    assert "#SBATCH --nodes=3" in script.splitlines()
+    status, sruns, pythons, log = run_script(tmp_path, script, ["n0", "n1", "n2"])
+    assert status == 0, log
+    (engine,) = [s for s in sruns if "--job-name=engines" in s]
+    (trainer,) = [s for s in sruns if s is not engine]
+    assert engine[1:5] == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--relative=1"]
+    wait, = [p for p in pythons if "megatron_logra.slurm.wait_engines" in p]
+    assert wait[-2:] == ["http://n1.addr:8000", "http://n2.addr:8000"]
+    torchrun = trainer[trainer.index("torch.distributed.run") + 1:]
+    assert _after(torchrun, "--rollout-engine-url") == "http://n1.addr:8000,http://n2.addr:8000"
+
+
 def test_without_engine_nodes_the_trainer_starts_its_own(tmp_path):
     job = SlurmJobConfig(run_dir=str(tmp_path / "run"), trainer_nodes=2, engine_nodes=0)
     script = render(plan_job(job, RL, ENTRY))
@@ -218,8 +236,6 @@ REFUSED = [
     (["--cpus-per-node", "1"], RL + ["--rollout-tensor-parallel-size", "2"],
      "exceeds the 1 CPUs of an engine node"),
     (["--engine-nodes", "1"], SFT, "an SFT job has no rollout engine; use --engine-nodes 0"),
-    (["--engine-nodes", "2", "--trainer-nodes", "2"], RL,
-     "--engine-nodes 2: the trainer refuses several servers"),
     ([], RL + ["--output-dir", "x"], "drop --output-dir from the trainer's flags"),
     ([], RL + ["--rollout-engine-url", "http://h:1"], "drop it (or use --engine-nodes 0"),
     ([], RL + ["--rollout-replicas", "2"], "each node is one engine"),

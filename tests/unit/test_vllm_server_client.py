@@ -59,6 +59,12 @@ def test_the_server_url_is_checked_at_parse():
     url = ["--rollout-engine-url", "http://127.0.0.1:8000"]
     cfg = parse_run_config([*RL, *url], world_size=1)
     assert cfg.rl.rollout.engine_url == "http://127.0.0.1:8000"
+    assert cfg.rl.rollout.engine_urls == ("http://127.0.0.1:8000",)
+    assert cfg.rl.rollout.engines == 1 and cfg.rl.rollout.engine_url_wait_s == 60.0
+    several = parse_run_config([*RL, "--rollout-engine-url",
+                                "http://a:8001/, http://b.example:8002"], world_size=1)
+    assert several.rl.rollout.engine_urls == ("http://a:8001", "http://b.example:8002")
+    assert several.rl.rollout.engines == 2  # one engine per server, the prompts split
     for argv, why in (
             (["--rollout-engine-url", "127.0.0.1:8000"], "as http://HOST:PORT"),
             (["--rollout-engine-url", "http://host"], "as http://HOST:PORT"),
@@ -148,6 +154,8 @@ class _FakeServer(BaseHTTPRequestHandler):
             return self._reply(200, {})
         if path == "v1/models":
             return self._reply(200, {"data": [{"id": "m"}]})
+        if path == "version":
+            return self._reply(200, {"version": "0.32.0"})
         if not self.dev_mode:
             return self._reply(404, {"detail": "Not Found"})
         if path == "get_world_size":
@@ -195,7 +203,8 @@ def test_the_client_refuses_what_the_server_cannot_take(fake_server):
             VllmServer(url, request_timeout_s=10)
     finally:
         _FakeServer.dev_mode = True
-    with pytest.raises(EngineError, match="no healthy vLLM server at http://127.0.0.1:9 "):
+    with pytest.raises(EngineError, match="at http://127.0.0.1:9: no usable vLLM server after "
+                                          "1 s: connection refused"):
         VllmServer("http://127.0.0.1:9", request_timeout_s=5, connect_timeout_s=1)
 
 

@@ -90,7 +90,7 @@ def test_a_run_meeting_a_transports_needs_passes_and_each_missing_need_is_named(
     else:
         check_steps_per_push(transport, 2)
     if need.one_engine:
-        with pytest.raises(ValueError, match="with --rollout-replicas > 1"):
+        with pytest.raises(ValueError, match=r"with several engines \(--rollout-replicas > 1"):
             check_engines(transport, 2)
     else:
         check_engines(transport, 2)
