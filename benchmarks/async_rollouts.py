@@ -18,7 +18,8 @@ updates, run in turns ``--repeats`` times (machine noise hits every variant alik
   modelled in benchmarks/throughput_model.py).
 
 Per variant, over every update but each run's first (vLLM's warm-up): seconds per update
-(``step_time_s``: rollout + train + push), updates per hour, and the share of each update
+(``step_time_s``: rollout + train + push), updates per hour, tokens per second per trainer
+process (per GPU on CUDA: ``training.throughput``), and the share of each update
 the trainer waits for generation (synchronous: the rollout; asynchronous:
 ``rollout_wait_s``) and the engines are idle (1 - generation / update). Last stdout line:
 the JSON.
@@ -84,6 +85,7 @@ def summarize(records: list[dict]) -> dict:
     waits = [r.get("rollout_wait_s", r["rollout_time_s"]) for r in records]
     mean = statistics.mean(steps)
     return {"updates": len(records), "s_per_update": mean, "updates_per_h": 3600 / mean,
+            **tokens_per_gpu(records),
             "rollout_s": statistics.mean(busy),
             "train_s": statistics.mean(r["train_time_s"] for r in records),
             "push_s": statistics.mean(r["sync_time_s"] for r in records),
@@ -93,12 +95,32 @@ def summarize(records: list[dict]) -> dict:
                                  for r in records)}
 
 
+def tokens_per_gpu(records: list[dict]) -> dict:
+    """Tokens per second per trainer process (per GPU on CUDA; ``training.throughput``)
+    over the variant's updates: each update's tokens per process summed, over all their
+    seconds; None from runs older than these figures."""
+    seconds = sum(r["step_time_s"] for r in records)
+    out = {}
+    for kind in ("generated", "trained"):
+        key = f"{kind}_tokens_per_s_per_gpu"
+        out[key] = sum(r[key] * r["step_time_s"] for r in records) / seconds \
+            if all(key in r for r in records) else None
+    return out
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def markdown(report: dict) -> str:
     rows = ["| variant | updates | s / update | rollout s | train s | push s | updates / h | "
-            "trainer waits | engines idle |", "|---|---|---|---|---|---|---|---|---|"]
+            "tokens/s/GPU generated / trained | trainer waits | engines idle |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for name, v in report["variants"].items():
         rows.append(f"| {name} | {v['updates']} | {v['s_per_update']:.1f} | {v['rollout_s']:.1f} "
                     f"| {v['train_s']:.1f} | {v['push_s']:.2f} | **{v['updates_per_h']:.0f}** | "
+                    f"{_rate(v.get('generated_tokens_per_s_per_gpu'))} / "
+                    f"{_rate(v.get('trained_tokens_per_s_per_gpu'))} | "
                     f"{v['trainer_waits']:.0%} | {v['engines_idle']:.0%} |")
     said = {"dedicated": "asynchronous / synchronous, dedicated cores",
             "shared_1": "asynchronous / synchronous, one engine on shared cores",

@@ -48,11 +48,19 @@ VARIANTS = {  # name -> paper_inputs keywords: what each changes from the assume
 
 
 def row(inputs, setting: str, mode: str, t: Timing) -> dict:
+    """One layout's figures; tokens/s per GPU (NeMo-RL's measure) over the update's time
+    and the GPUs the layout uses (colocated: the trainer's, which the engines share)."""
     lay = t.layout
+    w = inputs.workload
+    gpus = lay.train_gpus + (lay.generate_gpus if lay.placement == "dedicated" else 0)
     out = {"setting": setting, "mode": mode, **asdict(lay),
            "generate_gpus": lay.generate_gpus, "rollout_s": t.rollout_s, "train_s": t.train_s,
            "push_s": t.push_s, "switch_s": t.switch_s, "update_s": t.update_s,
-           "updates_per_h": t.updates_per_h, "trainer_wait": t.trainer_wait,
+           "updates_per_h": t.updates_per_h, "gpus": gpus,
+           "generated_tokens_per_s_per_gpu":
+               w.sequences * w.mean_response_tokens / t.update_s / gpus,
+           "trained_tokens_per_s_per_gpu": w.trained_tokens / t.update_s / gpus,
+           "trainer_wait": t.trainer_wait,
            "engine_wait": t.engine_wait,
            "paper_updates_per_h": PAPER_UPDATES_PER_H[setting]["dense_adam"]}
     if lay.schedule == "async":  # the push received while generating
@@ -171,10 +179,13 @@ def markdown(report: dict) -> str:
              "128 prompts x 1 response per update, dense Adam; calibrated so that the paper's "
              "layout reproduces the paper's updates/h. Each mode: its best layout. GPUs "
              "train / generate (colocated: the same GPUs in turns); waits: share of the "
-             "update each side has nothing to do.", "",
+             "update each side has nothing to do; tokens/s/GPU: the batch's response (generated) "
+             "and prompt + response (trained) tokens per second of the update, per GPU the "
+             "layout uses.", "",
              "| setting | mode | replicas x TP | GPUs train / generate | rollout s | train s "
-             "| push s | s/update | updates/h | trainer waits | engines wait | "
-             "paper updates/h |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| push s | s/update | updates/h | tokens/s/GPU generated / trained | "
+             "trainer waits | engines wait | paper updates/h |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for setting, entry in report["settings"].items():
         logra = report["paper_updates_per_h"][setting]["logra"]
         for r in entry["rows"]:
@@ -183,7 +194,8 @@ def markdown(report: dict) -> str:
                 f"| {setting} | {r['mode']} | {r['replicas']} x TP{r['engine_tp']} | "
                 f"{r['train_gpus']} / {r['generate_gpus']}{shared} | {r['rollout_s']:.1f} | "
                 f"{r['train_s']:.1f} | {r['push_s']:.1f} | {r['update_s']:.1f} | "
-                f"**{r['updates_per_h']:.1f}** | {r['trainer_wait']:.0%} | "
+                f"**{r['updates_per_h']:.1f}** | {r['generated_tokens_per_s_per_gpu']:.0f} / "
+                f"{r['trained_tokens_per_s_per_gpu']:.0f} | {r['trainer_wait']:.0%} | "
                 f"{r['engine_wait']:.0%} | {r['paper_updates_per_h']} (LoGRA {logra}) |")
     lines += [""]
     for setting, entry in report["settings"].items():

@@ -83,13 +83,19 @@ class SampleSource:
     # --- samples -------------------------------------------------------------------------
     def rollout_batch(self, update: int, version: int) -> tuple[list[RolloutSample], dict]:
         """Update ``update``'s samples (every rank) generated at weights ``version``, and
-        the rollout's figures (collective: a failed engine is restarted and resynced)."""
+        the rollout's figures (collective: a failed engine is restarted and resynced),
+        with this rank's ``time_generation_s`` and ``time_scoring_s``
+        (``training.throughput.SPLIT``): the engines' part and the rest."""
+        t0 = time.perf_counter()
         groups, stats = self._generate_groups(
             update, lambda requests, phase: self.engines.generate(requests, version, phase),
             from_rank0)
+        generating = stats["rollout_time_s"]  # this rank's: every rank waited for it
         samples, stats = from_rank0(lambda: self._samples(groups, stats, version,
                                                           self.baseline))
         self.baseline.value = stats["baseline"]  # every rank checkpoints the same state
+        stats["time_generation_s"] = generating
+        stats["time_scoring_s"] = time.perf_counter() - t0 - generating
         return samples, stats
 
     def produce_here(self, update: int, version: int,
@@ -135,7 +141,7 @@ class SampleSource:
         ``fn()`` where every rank learns it (``from_rank0``: every rank takes part in each
         round), or where rank 0 alone does."""
         rl = self.cfg.rl
-        kept, dropped, rounds, seconds = [], [], 0, 0.0
+        kept, dropped, rounds, seconds, tokens = [], [], 0, 0.0, 0
         while True:
             prompts = requests = None
             if self.rank == 0:
@@ -145,12 +151,14 @@ class SampleSource:
             completions = generate(requests, f"rollouts {update + 1}" + (
                 f" round {rounds + 1}" if rounds else ""))
             seconds += time.perf_counter() - t0
+            if completions is not None:  # rank 0
+                tokens += sum(len(c.token_ids) for c in completions)
             more = decide(lambda: self._sort_groups(prompts, completions, kept, dropped,
                                                     rounds))
             rounds += 1
             if not more:
                 break
-        stats: dict = {"rollout_time_s": seconds}
+        stats: dict = {"rollout_time_s": seconds, "generated_tokens": tokens}
         groups = None
         if self.rank == 0:
             groups, with_signal = scores.fill_groups(kept, dropped, rl.prompts_per_step)

@@ -11,6 +11,10 @@ Per update u at weights version v (``rl.stage.RLStage.step``):
 4. ``wait_idle()``: rank 0 waits until the engines finish what they were generating
    (the push replaces their weights in place), then every rank pushes v + 1.
 
+What an update waits for at 1 and 4 is its ``time_waiting_s`` (``training.throughput``);
+the background generation's own seconds (``rollout_time_s``) overlap training and are
+not part of the update's time split.
+
 An update takes max(generation, training) + push instead of their sum. The thread does
 rank 0's own work only (generation, scoring, advantages: no collective); whatever it
 hits (an engine that died) comes back at ``take``, where every rank learns it: the
@@ -64,7 +68,13 @@ class SamplesAhead:
         else:
             samples, stats = outcome[1]
             self.source.baseline.value = stats["baseline"]  # the trainer's copy moves here
-        stats["rollout_wait_s"] = time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        stats["rollout_wait_s"] = wall
+        # generated beside training, the batch cost this update only the wait for it; one
+        # generated again (a failure) cost its generation and scoring (they are its own)
+        stats.setdefault("time_generation_s", 0.0)
+        stats.setdefault("time_scoring_s", 0.0)
+        stats["time_waiting_s"] = wall - stats["time_generation_s"] - stats["time_scoring_s"]
         return samples, stats
 
     def _collect(self, update: int) -> tuple:

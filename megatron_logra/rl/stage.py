@@ -11,6 +11,10 @@ trains. ``RLStage.step(update)`` is one update, in this order:
    (``SyncedEngines.push``, through ``weight_sync``: full, sparse-delta, sketch-delta or
    lora-adapter) and committed.
 
+Each update's record splits its wall time into generation, scoring, training, push and
+waiting (``time_<part>_s``, ``training.throughput.SPLIT``) and counts its
+``generated_tokens`` and ``trained_tokens`` (the loop turns them into tokens/s).
+
 With ``--async-rollouts`` step 1 takes the batch generated beside the previous update's
 training and starts the next ones (``rl.samples_ahead``), and the staleness bounds
 decide each sample's weight in the loss (``rl.staleness``); a batch with nothing left
@@ -29,6 +33,7 @@ run continues where it stopped.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 
 from megatron_logra.config import RunConfig
@@ -106,24 +111,36 @@ class RLStage:
         maybe_fail("rollout", update + 1)
         if self.ahead is None:
             samples, record = self.rollout_batch(update)
+            t0 = time.perf_counter()
             self.engines.release()  # colocated engines give the devices to the trainer
+            record["time_generation_s"] += time.perf_counter() - t0
+            record["time_waiting_s"] = 0.0
         else:
             samples, record = self._take_ahead(update)
+        record.update(time_training_s=0.0, time_push_s=0.0)
         if adjust_samples is not None:
             samples = adjust_samples(samples)
         if any(s.weight > 0 for s in samples):
+            t0 = time.perf_counter()
             record.update(self.train(samples, update))
+            record["time_training_s"] = time.perf_counter() - t0
+            record["trained_tokens"] = sum(len(s.prompt_ids) + len(s.response_ids)
+                                           for s in samples)
             self.update_kl.record(self.version, record)
             self.version += 1
         else:  # every sample too stale: nothing trains, the engines keep their weights
-            record.update(update_successful=True, stale_skipped_update=True)
+            record.update(update_successful=True, stale_skipped_update=True, trained_tokens=0)
             return record
         if self.ahead is not None:
-            record["rollout_wait_s"] += self.ahead.wait_idle()
+            waited = self.ahead.wait_idle()
+            record["rollout_wait_s"] += waited
+            record["time_waiting_s"] += waited
         stats = self.sync_stats
         before = (stats.bytes, stats.seconds)
         maybe_fail("sync", update + 1)
+        t0 = time.perf_counter()
         self.push_weights()
+        record["time_push_s"] = time.perf_counter() - t0
         record.update(sync_bytes=stats.bytes - before[0], sync_time_s=stats.seconds - before[1],
                       sync_transport=stats.last_transport,
                       checksum_mismatches=stats.checksum_mismatches,

@@ -153,10 +153,15 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def is_clock(key: str) -> bool:
+    """A metric that is a time (``*_s``) or a rate over one (``*_per_s*``: tokens/s)."""
+    return key.endswith("_s") or "_per_s" in key
+
+
 def compared(record: dict) -> dict:
     """A metrics record less what two runs with the same results may differ in
-    (``UNCOMPARED`` and every ``*_s`` time)."""
-    return {k: v for k, v in record.items() if k not in UNCOMPARED and not k.endswith("_s")}
+    (``UNCOMPARED`` and every time or rate, ``is_clock``)."""
+    return {k: v for k, v in record.items() if k not in UNCOMPARED and not is_clock(k)}
 
 
 def checkpoint_model(ckpt: Path) -> dict[str, torch.Tensor]:

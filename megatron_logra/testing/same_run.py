@@ -11,8 +11,8 @@ predicted-KL control, 4 updates, a checkpoint every 2; what
 ``tests/distributed/test_rl_faults.py`` and ``benchmarks/faults.py`` fault) and copies
 its run folder (metrics.jsonl, the checkpoints, the logs) to DIR. Run it at the commit
 before a change and at the commit after it, then ``compare``: every metric of every
-record but the clocks (``*_s``) and the peak memory must be equal (rewards, losses,
-alpha, the logprob mismatch, bytes pushed, the transport...), and every checkpoint the
+record but the clocks (``*_s``, and rates over them: ``*_per_s*``) and the peak memory
+must be equal (rewards, losses, alpha, the logprob mismatch, bytes pushed, the transport...), and every checkpoint the
 same: every tensor of its sharded state (model, LoGRA's optimizer state) ``torch.equal``,
 its common state (optimizer steps, the resumable parts: scheduler, reward baseline, KL
 controller) equal, its meta equal but for the run's config (which records the config's
@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_logra.testing.fault_launch import RL_FLAGS, launch, ok, records
+from megatron_logra.testing.fault_launch import RL_FLAGS, is_clock, launch, ok, records
 
-UNCOMPARED = {"peak_mem_bytes"}  # besides every ``*_s`` clock
+UNCOMPARED = {"peak_mem_bytes"}  # besides every ``*_s`` clock and ``*_per_s*`` rate
 
 
 def run_job(dest: Path, load: Path | None = None) -> Path:
@@ -52,7 +52,7 @@ def run_job(dest: Path, load: Path | None = None) -> Path:
 
 
 def _metrics(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k not in UNCOMPARED and not k.endswith("_s")}
+    return {k: v for k, v in record.items() if k not in UNCOMPARED and not is_clock(k)}
 
 
 def checkpoint_state(ckpt: Path) -> dict[str, object]:

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_logra.training.throughput import progress_parts
+
 
 class MetricsLog:
     def __init__(self, output_dir: str | Path, enabled: bool, resume_step: int = 0,
@@ -62,6 +64,7 @@ class MetricsLog:
                          ("tokens", "{:d}"), ("step_time_s", "{:.2f}s")):
             if record.get(key) is not None:
                 parts.append(f"{key} " + fmt.format(record[key]))
+        parts += progress_parts(record)
         parts.append(f"mem {record['peak_mem_bytes'] / 2**20:.0f}MiB")
         parts.append(f"elapsed {elapsed:.0f}s")
         print(" | ".join(parts), file=sys.stdout, flush=True)

@@ -6,7 +6,7 @@ rest, the same for every stage:
 
     for each update from the resumed step:
         record = stage.step(update)           # the update's own figures
-        + step_time_s, peak_mem_bytes, LoGRA's stats
+        + step_time_s, peak_mem_bytes, LoGRA's stats, tokens/s (``training.throughput``)
         skipped-update count (stops the run at --max-skipped-updates in a row)
         + stage.after(update, last)           # e.g. an evaluation
         metrics.jsonl (and TensorBoard/W&B), progress line every --log-interval
@@ -26,6 +26,7 @@ from megatron_logra.runtime.collectives import barrier, rank_and_world
 from megatron_logra.runtime.device import peak_memory_bytes
 from megatron_logra.training.metrics import MetricsLog
 from megatron_logra.training.step import SkippedUpdates
+from megatron_logra.training.throughput import rates
 
 
 @dataclass
@@ -47,7 +48,8 @@ class Stage(Protocol):
 def run_stage(stage: Stage, prep, training: TrainingConfig, log: MetricsLog) -> RunResult:
     """Updates ``prep.start_step`` .. ``--train-iters`` of ``stage`` (collective); ``prep``:
     ``training.prepare.Prepared`` (its ``checkpoints`` save)."""
-    objs, is_logger = prep.objs, rank_and_world()[0] == 0
+    objs, (rank, world) = prep.objs, rank_and_world()
+    is_logger = rank == 0
     skipped = SkippedUpdates(training.max_skipped_updates)
     result = RunResult(objects=objs)
     for update in range(prep.start_step, training.train_iters):
@@ -56,6 +58,7 @@ def run_stage(stage: Stage, prep, training: TrainingConfig, log: MetricsLog) -> 
         record = {"step": done, **stage.step(update)}
         record.update(step_time_s=time.perf_counter() - t0, peak_mem_bytes=peak_memory_bytes(),
                       **objs.logra_stats())
+        record.update(rates(record, world))
         skipped.record(record["update_successful"], done, announce=is_logger)
         record.update(stage.after(update, last))
         result.records.append(record)

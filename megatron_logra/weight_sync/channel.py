@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_logra.weight_sync.messages import Outbox
+from megatron_logra.weight_sync.messages import Outbox, add_updates
 from megatron_logra.weight_sync.p2p import (GroupAddress, abort_group, join_group,
                                             message_device, open_store, send_message, wait_all)
 from megatron_logra.weight_sync.contract import Delivery, EngineError, PushRefused, Transport
-from megatron_logra.weight_sync.sketch_rows import RowsUpdate, encode_rows, owned_updates
-from megatron_logra.weight_sync.transfer_plan import Block, shard_blocks, shard_extent, worker_rows
+from megatron_logra.weight_sync.sketch_rows import owned_updates
+from megatron_logra.weight_sync.transfer_plan import Block, shard_blocks, shard_extent
 from megatron_logra.model.hf_mapping import hf_param_shapes, megatron_param_names, row_segments
 from megatron_logra.model.provider import canonical_param_names, global_shape, served_parameters
 from megatron_logra.model.sharding import tp_split
@@ -351,13 +351,7 @@ class DirectChannel:
 
     def _sketch_round(self, optimizer) -> list[Outbox]:
         boxes = self._outboxes()
-        for u in owned_updates(optimizer):
-            rows = u.rows
-            for worker, mask in enumerate(worker_rows(self.arch, u.name, rows, self.engine_tp)):
-                if bool(mask.any()):
-                    boxes[worker].updates.append(RowsUpdate(
-                        u.name, encode_rows(rows[mask]), u.d[mask].contiguous(), u.coefficient,
-                        u.seed, u.rank, u.kind))
+        add_updates(boxes, self.arch, owned_updates(optimizer))
         return boxes
 
 

@@ -15,18 +15,19 @@ A message carries up to three kinds of content, in this order:
 Meta: {"blocks": [(param, dst_row, rows, dst_col, cols)], "sets": [(param, count)],
 "updates": [(name, rows, rank, coefficient, seed, kind)]}; tensors: [block values, set
 indices (int32, or int64 past 2^31), set values, then per update its row runs (int64,
-[k * 2]) and its rows of D ([rows * rank])]. Every tensor travels as itself, never
+[k * 2]), its rows of D ([rows * rank]) and, for kind explicit only, A ([rank * in],
+fp32)]. Every tensor travels as itself, never
 pickled into the meta: the bytes of a push are its values plus a few bytes per entry.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from megatron_logra.weight_sync.sketch_rows import RowsUpdate
-from megatron_logra.weight_sync.transfer_plan import Block
+from megatron_logra.weight_sync.sketch_rows import EXPLICIT, RowsUpdate, encode_rows
+from megatron_logra.weight_sync.transfer_plan import Block, worker_rows
 
 
 @dataclass
@@ -73,23 +74,41 @@ class Outbox:
         tensors = [cat(self.block_values, dtype), indices, cat(self.set_values, dtype)]
         for u in self.updates:
             tensors += [u.runs.reshape(-1).to(device), u.d.reshape(-1).to(device)]
+            if u.projection is not None:
+                tensors.append(u.projection.reshape(-1).to(device, torch.float32))
         return meta, tensors
+
+
+def add_updates(boxes: list[Outbox], arch, updates: list[RowsUpdate]) -> None:
+    """Each sketch update's rows into the outbox of every worker holding them (``boxes``:
+    one per engine TP rank); an A carried goes whole to each of them."""
+    for u in updates:
+        rows = u.rows
+        for worker, mask in enumerate(worker_rows(arch, u.name, rows, len(boxes))):
+            if bool(mask.any()):
+                boxes[worker].updates.append(replace(u, runs=encode_rows(rows[mask]),
+                                                     d=u.d[mask].contiguous()))
 
 
 def received_updates(meta: dict, tensors: list[torch.Tensor]) -> list[RowsUpdate]:
     """The sketch updates of a received message, rebuilt from its meta and tensors."""
     rest = tensors[3:]
-    if len(rest) != 2 * len(meta["updates"]):
+    expected = sum(3 if kind == EXPLICIT else 2 for *_, kind in meta["updates"])
+    if len(rest) != expected:
         raise ValueError(f"direct push: {len(rest)} update tensors for "
                          f"{len(meta['updates'])} sketch updates")
-    out = []
-    for i, (name, rows, rank, coefficient, seed, kind) in enumerate(meta["updates"]):
-        runs, d = rest[2 * i], rest[2 * i + 1]
-        if runs.numel() % 2 or d.numel() != rows * rank:
+    out, at = [], 0
+    for name, rows, rank, coefficient, seed, kind in meta["updates"]:
+        runs, d = rest[at], rest[at + 1]
+        projection = rest[at + 2] if kind == EXPLICIT else None
+        at += 2 if projection is None else 3
+        if runs.numel() % 2 or d.numel() != rows * rank or (
+                projection is not None and projection.numel() % rank):
             raise ValueError(f"direct push: the sketch update of {name} holds "
                              f"{d.numel()} values for {rows} x {rank}")
         out.append(RowsUpdate(name, runs.view(-1, 2).cpu(), d.view(rows, rank), coefficient,
-                              seed, rank, kind))
+                              seed, rank, kind,
+                              None if projection is None else projection.view(rank, -1)))
     return out
 
 

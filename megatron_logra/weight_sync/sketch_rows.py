@@ -46,24 +46,32 @@ def decode_rows(runs: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.arange(int(a), int(a) + int(n)) for a, n in runs.tolist()])
 
 
+EXPLICIT = "explicit"
+"""``RowsUpdate.kind`` of an update that carries A itself (``projection``): a trainer whose
+A is not a seeded projection (``weight_sync.low_rank_push``)."""
+
+
 @dataclass(frozen=True)
 class RowsUpdate:
-    """Rows of one sketched weight's update: W[rows] -= coefficient * d A(seed)."""
+    """Rows of one sketched weight's update: W[rows] -= coefficient * d A, A regenerated
+    from ``seed`` (``kind`` rademacher | gaussian) or carried (``kind`` explicit)."""
 
     name: str  # canonical megatron name
     runs: torch.Tensor  # [k, 2] int64 (start, length) runs of canonical rows, ascending
     d: torch.Tensor  # [n, r] (bf16 values in SR mode), rows in the runs' order
     coefficient: float
-    seed: int
+    seed: int  # A's seed, and the stochastic rounding's (bf16 weights)
     rank: int
-    kind: str  # projection: rademacher | gaussian
+    kind: str  # projection: rademacher | gaussian | explicit
+    projection: torch.Tensor | None = None  # [r, in] fp32: A itself (kind explicit only)
 
     @property
     def rows(self) -> torch.Tensor:
         return decode_rows(self.runs)
 
     def nbytes(self) -> int:
-        return (self.runs.numel() * 8 + self.d.numel() * self.d.element_size()
+        carried = 0 if self.projection is None else self.projection.numel() * 4
+        return (self.runs.numel() * 8 + self.d.numel() * self.d.element_size() + carried
                 + 8 + 8 + len(self.name))
 
 
@@ -112,6 +120,12 @@ def check_updates(arch: ModelArch, updates: list[RowsUpdate],
         if u.d.shape != (rows.numel(), u.rank):
             raise ValueError(f"sketch delta {u.name}: D {tuple(u.d.shape)} for {rows.numel()} "
                              f"rows at rank {u.rank}")
+        if (u.kind == EXPLICIT) != (u.projection is not None):
+            raise ValueError(f"sketch delta {u.name}: an A carried needs kind {EXPLICIT!r} "
+                             f"(and kind {EXPLICIT!r} an A), got kind {u.kind!r}")
+        if u.projection is not None and tuple(u.projection.shape) != (u.rank, in_cols):
+            raise ValueError(f"sketch delta {u.name}: A {tuple(u.projection.shape)}, expected "
+                             f"({u.rank}, {in_cols})")
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= out_rows):
             raise ValueError(f"sketch delta {u.name}: rows outside [0, {out_rows})")
         for seg in row_segments(arch, u.name):
@@ -158,8 +172,10 @@ def apply_updates_into(arch: ModelArch, updates: list[RowsUpdate], locate: Locat
                 local = (hf_rows[pick] - p.row0 + p.local_row).to(dev)
                 cols = (p.col0, p.col1)
                 if cols not in projections:
-                    projections[cols] = projection_block(u.seed, u.rank, cols, kind=u.kind,
-                                                         device=dev)
+                    projections[cols] = projection_block(
+                        u.seed, u.rank, cols, kind=u.kind, device=dev) \
+                        if u.projection is None else \
+                        u.projection[:, cols[0]:cols[1]].to(dev, torch.float32)
                 block, d = target[local], u.d[pick].to(dev, torch.float32)
                 if block.dtype == torch.bfloat16:
                     apply_bf16_update(block, d, u.coefficient, u.seed, rank=u.rank, kind=u.kind,

@@ -20,11 +20,12 @@ checksums) and against each other. Rank 0 writes {"steps": [...], "restarts": ..
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import replace
 
 import torch.distributed as dist
 
-from rl_worker import close_and_write, plus_minus_advantages
+from rl_worker import batch_tokens, close_and_write, plus_minus_advantages
 
 
 def main() -> None:
@@ -45,10 +46,12 @@ def main() -> None:
 
         def forced(samples):
             seen.update(versions=[s.version for s in samples],
-                        weights=[s.weight for s in samples])
+                        weights=[s.weight for s in samples], **batch_tokens(samples))
             return plus_minus_advantages(samples)
         version_before = run.version
+        t0 = time.perf_counter()
         record = run.step(update, adjust_samples=forced)
+        seen["wall_s"] = time.perf_counter() - t0
         run.bound = own_bound
         if update == 4:  # batch 7 (update 8) generated now, two versions before it trains
             run.ahead.start(7, run.version)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import replace
 
 import torch
@@ -49,6 +50,12 @@ def plus_minus_advantages(samples: list) -> list:
     return [replace(s, advantage=1.0 if k % 2 else -1.0) for k, s in enumerate(samples)]
 
 
+def batch_tokens(samples: list) -> dict:
+    """The batch's own token counts (what the update's record must report)."""
+    return {"batch_response_tokens": sum(len(s.response_ids) for s in samples),
+            "batch_tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)}
+
+
 def main() -> None:
     from megatron_logra.cli import parse_run_config
     from megatron_logra.rl.stage import RLStage
@@ -74,10 +81,11 @@ def main() -> None:
 
         def forced(samples):
             rolled.update(advantages=[s.advantage for s in samples],
-                          rewards=[s.reward for s in samples])
+                          rewards=[s.reward for s in samples], **batch_tokens(samples))
             return plus_minus_advantages(samples)
+        t0 = time.perf_counter()
         record = run.step(update, adjust_samples=forced)
-        result["records"].append({**record, **rolled})
+        result["records"].append({**record, **rolled, "wall_s": time.perf_counter() - t0})
     after = check("after_2_updates")
     result["moved"] = float((after - first).abs().max())
     if os.environ.get(KILL_ENGINE) == "1":

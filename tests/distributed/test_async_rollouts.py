@@ -97,3 +97,27 @@ def test_batches_beyond_the_bounds_never_reach_the_loss(launched):
     for s in trained:
         assert s["version_after"] == s["version_before"] + 1
         assert s["record"]["tokens"] > 0 and s["record"]["stale_dropped_kl"] == 0
+
+
+def test_the_time_split_adds_up_and_the_token_counts_are_the_batchs(launched):
+    """One step off, an update's wall time (measured around the step by the worker) is its
+    waiting (for the batch generated beside the last training, and for the engines before
+    the push), training and push; only the batch generated again after the kill (update
+    4) has generation and scoring seconds of its own. Token counts are the batch's own;
+    a batch dropped as too stale trained none."""
+    split = [f"time_{part}_s" for part in ("generation", "scoring", "training", "push",
+                                           "waiting")]
+    for k, step in enumerate(launched["steps"]):
+        record = step["record"]
+        parts = [record[key] for key in split]
+        assert all(p >= 0 for p in parts), record
+        assert 0 <= step["wall_s"] - sum(parts) < 0.05, (step["wall_s"], parts)
+        assert record["time_waiting_s"] > 0, record
+        assert (record["time_generation_s"] > 0) == (k == 3), (k, record)
+        assert (record["time_scoring_s"] > 0) == (k == 3), (k, record)
+        assert record["generated_tokens"] == step["batch_response_tokens"] > 0
+        if record.get("stale_skipped_update"):
+            assert record["trained_tokens"] == 0 and record["time_push_s"] == 0
+        else:
+            assert record["trained_tokens"] == step["batch_tokens"]
+            assert min(record["time_training_s"], record["time_push_s"]) > 0, record

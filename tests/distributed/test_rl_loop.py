@@ -130,6 +130,33 @@ def test_updates_reach_the_engine_with_their_version(launched, request):
         assert record["update_successful"] and record["tokens"] > 0
 
 
+SPLIT_SLACK_S = 0.05
+"""What an update's time split may leave unnamed: its bookkeeping between the timed parts
+(a few ms measured); a part left out of the split (a push: ~1 s here) is far above it."""
+
+
+def test_the_time_split_adds_up_and_the_token_counts_are_the_batchs(launched, request):
+    """Each update's generation, scoring, training, push and waiting seconds add up to its
+    wall time (measured around the step by the worker), and its token counts are the
+    batch's own: the responses generated (with dynamic sampling, at least those: set-aside
+    groups were generated too) and prompt + response tokens trained."""
+    split = [f"time_{part}_s" for part in ("generation", "scoring", "training", "push",
+                                           "waiting")]
+    for record in launched["records"]:
+        parts = [record[key] for key in split]
+        assert all(p >= 0 for p in parts) and record["time_waiting_s"] == 0, record
+        assert min(record["time_generation_s"], record["time_training_s"],
+                   record["time_push_s"]) > 0, record
+        assert 0 <= record["wall_s"] - sum(parts) < SPLIT_SLACK_S, (record["wall_s"], parts)
+        assert record["trained_tokens"] == record["batch_tokens"] > record["tokens"]
+        if "--dynamic-sampling" in _layout(request):
+            assert record["generated_tokens"] >= record["batch_response_tokens"]
+            if record["dynamic_sampling_rounds"] == 1:
+                assert record["generated_tokens"] == record["batch_response_tokens"]
+        else:
+            assert record["generated_tokens"] == record["batch_response_tokens"] > 0
+
+
 def test_reinforce_advantages_follow_the_running_baseline(launched, request):
     """The paper's REINFORCE in the loop: outcome 1 (reward >= 1) or -0.01, minus a baseline
     of past batches only (0 at first), then b <- 0.9 b + 0.1 mean(outcomes)."""
