@@ -29,7 +29,7 @@ def _git(*args: str) -> str | None:
                              timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() if out.returncode == 0 else None
+    return out.stdout.rstrip() if out.returncode == 0 else None  # "XY path": keep a lead space
 
 
 def code_state() -> dict:

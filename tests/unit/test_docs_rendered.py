@@ -157,3 +157,25 @@ def test_provenance_records_the_load_when_it_is_taken():
     assert len(load) == 3
     # each average between its values just before and just after (rounded to 0.01)
     assert all(min(b, a) - 0.01 <= x <= max(b, a) + 0.01 for x, b, a in zip(load, before, after))
+
+
+def test_provenance_names_the_files_that_make_a_tree_unclean(tmp_path, monkeypatch):
+    """`git status --porcelain` lines are "XY path": a modified file's line starts with a
+    space, which must not cost its name a letter."""
+    import subprocess
+
+    from megatron_logra.runtime import provenance as prov
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+    git("init", "-q")
+    for name in ("README.md", "b.py"):
+        (tmp_path / name).write_text("x\n")
+    git("add", ".")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "c")
+    monkeypatch.setattr(prov, "REPO", tmp_path)
+    assert prov.code_state()["clean"] and prov.code_state()["dirty_files"] == []
+    (tmp_path / "README.md").write_text("y\n")
+    (tmp_path / "new.py").write_text("z\n")
+    state = prov.code_state()
+    assert not state["clean"] and state["dirty_files"] == ["README.md", "new.py"]
