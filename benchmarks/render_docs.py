@@ -127,6 +127,7 @@ BLOCKS: dict[str, Block] = {
     "quality": Block("quality.json", "quality_report", made_by="benchmarks/quality.py"),
     "quality_account": Block("quality.json", "quality_report", "markdown_account",
                              "benchmarks/quality.py"),
+    "quality_replay": Block("quality_replay.json", "quality_replay"),
     "quality_rank": Block("quality.json", "quality_report", "markdown_rank",
                           "benchmarks/quality.py"),
     "quality_controls": Block("quality.json", "quality_report", "markdown_controls",
