@@ -14,26 +14,24 @@ ulp per update), against movements of ~0.03 that a lost update would leave.
 
 from __future__ import annotations
 
-import os
 import re
 import runpy
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_logra.runtime.device import free_port
+from megatron_logra.testing.docs_commands import (docs_server_commands, start_doc_server,
+                                                  stop_server, wait_healthy)
 from megatron_logra.testing.tiny_checkpoint import write_tiny_hf_checkpoint
 
 pytestmark = [pytest.mark.vllm]
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "weight-sync.md"
-SECTION = "## Any trainer"
+SECTION = "## Any trainer: low-rank pushes from a plain PyTorch model"
 
 
 def doc_blocks() -> tuple[str, str]:
@@ -55,39 +53,16 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("low_rank")
     model = write_tiny_hf_checkpoint(tmp / "model")
     port = free_port()
-    command, _ = doc_blocks()
-    assert "MODEL_DIR" in command and "--port 8000" in command
-    command = command.replace("MODEL_DIR", str(model)).replace("--port 8000", f"--port {port}")
+    (command,) = docs_server_commands(SECTION.removeprefix("## "), markdown_path=DOC)
+    assert "MODEL_DIR" in command.argv and command.flag("--port") == "8000"
     log = tmp / "server.log"
-    # `python` is this environment's, as in a shell where it is activated
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    server = subprocess.Popen(["bash", "-c", command], stdout=log.open("w"), env=env,
-                              stderr=subprocess.STDOUT, start_new_session=True)
+    server = start_doc_server(command, model, port, log)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_up(server, url, log)
+        wait_healthy(server, url, log)
         yield model, url, log
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-
-
-def _wait_up(server: subprocess.Popen, url: str, log: Path, timeout_s: float = 300) -> None:
-    import requests
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"the server exited: {log.read_text()[-3000:]}"
-        try:
-            if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"no server at {url} after {timeout_s} s: {log.read_text()[-3000:]}")
+        stop_server(server)
 
 
 def test_the_docs_trainer_keeps_the_server_equal_to_its_weights(served, monkeypatch, capsys):
