@@ -6,7 +6,7 @@ rounding's one ulp); packed for a TP2 server's two workers, sent through the mes
 format and applied to each worker's fused, sharded pieces (qkv_proj, gate_up_proj, a
 column slice of o_proj and down_proj, the padded vocabulary) they give the trainer's
 tensors bit for bit. Bad factors are refused naming the weight. The real server:
-tests/integration/test_low_rank_push.py.
+tests/integration/test_low_rank_push_server.py.
 """
 
 from __future__ import annotations
