@@ -192,6 +192,22 @@ def _quality(r: dict) -> list[Row]:
              f"{gains} ({called})", anchor)]
 
 
+def _dry_run(r: dict) -> list[Row]:
+    rows = r["dry_run.json"]["scaling"]["rows"]
+    names = {"dense_adam": "dense Adam", "logra_fp32_master": "LoGRA fp32 master",
+             "logra_none": "LoGRA bf16 only", "lora": "LoRA"}
+    counts = sorted({row["gpus"] for row in rows})
+    at8 = ", ".join(f"{names.get(row['method'], row['method'])} {row['peak_bytes'] / 2**30:.1f}"
+                    for row in rows if row["gpus"] == counts[0])
+    worst = max(abs(row["peak_bytes"] / row["plan_peak_bytes"] - 1) for row in rows)
+    errors = sum(len(row["errors"]) for row in rows)
+    return [(f"Qwen3-style 27B, TP4 x PP2 x DP, one update traced per rank on fake CUDA "
+             f"tensors (`--dry-run`), {', '.join(map(str, counts))} GPUs",
+             f"peak GiB per GPU at {counts[0]} GPUs: {at8}; every row within "
+             f"{100 * worst:.0f}% of the analytic plan; {errors} collective or device "
+             f"errors", "dry-run-at-full-size")]
+
+
 # in order: (the files a row reads, what it shows, its section in docs/results.md, the
 # function); a row whose file is not committed says so. The quality comparison's tables
 # are benchmarks/quality_report.py's, in its own section; its row here is the headline.
@@ -202,6 +218,7 @@ ROWS: list[tuple[tuple[str, ...], str, str, Callable[[dict], list[Row]]]] = [
      "the-analytic-model-and-its-projection", _memory_plan),
     (("step_time.json", "step_time_embedding_adam.json"), "train-step time, LoGRA / dense Adam",
      "step-time", _step_time),
+    (("dry_run.json",), "27B dry run at full size", "dry-run-at-full-size", _dry_run),
     (("convert.json",), "checkpoint conversion, peak RSS", "checkpoint-conversion", _convert),
     (("sync.json",), "weight sync into vLLM, sketch-delta / full push", "weight-sync", _sync),
     (("weight_push.json",), "pushes into vLLM's server",
