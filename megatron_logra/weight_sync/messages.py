@@ -120,6 +120,10 @@ def check_message(meta: dict, tensors: list[torch.Tensor],
     expected = 0
     for param, row, rows, col, cols in meta["blocks"]:
         target = _param(params, param)
+        if target.numel() == 0:
+            raise ValueError(f"direct push: {param} holds no live tensor (vLLM-CPU packs its "
+                             f"linear weights for oneDNN and empties them): start the server "
+                             f"with MLOGRA_LIVE_WEIGHTS=1 in its environment")
         fits = row >= 0 and rows > 0 and row + rows <= target.shape[0] and (
             cols is None if target.dim() == 1 else
             cols is not None and col >= 0 and col + cols <= target.shape[1])

@@ -20,8 +20,9 @@ vLLM's built-in backends (nccl, ipc, sparse_nccl, nccl_m2n) need CUDA and send w
 tensors from one trainer rank; this one runs on CPU (gloo), carries the sketch delta
 (D and a seed: r/in of a full push) and reshards M trainer ranks into N workers.
 Everything is applied in place, so a CPU server needs its linear weights kept live
-(``cpu_live_weights``: ``MLOGRA_LIVE_WEIGHTS=1`` in its environment); the trainer
-refuses a server without it (``layout_problems``), naming the fix.
+(``cpu_live_weights``: ``MLOGRA_LIVE_WEIGHTS=1`` in its environment); a server without
+it refuses the first push before applying any of it (``messages.check_message``: the
+weight holds no live tensor), naming the fix.
 
 vLLM internals used: the ``WeightTransferEngine`` base class and its typed
 ``init_info_cls`` / ``update_info_cls`` (vllm/distributed/weight_transfer/base.py), vLLM

@@ -50,26 +50,6 @@ class WorkerShards:
                     for p in vllm_placements(self.arch, name, self.tp, self.tp_rank)]
         return locate
 
-    def layout_problems(self) -> list[str]:
-        """Problems with in-place updates here (empty: none): every HF tensor's pieces must
-        be live parameters of the expected local shape."""
-        from megatron_logra.model.hf_mapping import hf_param_shapes
-
-        problems = []
-        try:
-            locate = self.locator()
-            for name in hf_param_shapes(self.arch):
-                for target, p in locate(name):
-                    width = None if p.col0 is None else p.col1 - p.col0
-                    rows_ok = target.shape[0] >= p.local_row + p.row1 - p.row0
-                    if target.numel() == 0 or not rows_ok or (
-                            width is not None and (target.dim() != 2 or target.shape[1] != width)):
-                        problems.append(f"{name} -> {p.param} {tuple(target.shape)}: expected "
-                                        f"rows {p.local_row}+{p.row1 - p.row0}, width {width}")
-        except (KeyError, ValueError, OSError) as exc:
-            problems.append(f"{type(exc).__name__}: {exc}")
-        return problems
-
     @torch.inference_mode()
     def zero_vocab_padding(self) -> None:
         """Zero the rows of the vocab parameters past the vocabulary (vLLM pads it to 64;

