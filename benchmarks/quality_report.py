@@ -373,6 +373,14 @@ def _figure(ncols: int, width: float):
     return plt, fig, axes
 
 
+def _save(plt, fig, path: Path, title: str) -> None:
+    """Title, lay out, write and close a figure ``_figure`` made."""
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot(summary: dict, path: Path) -> None:
     """Train reward and held-out pass@1 per update: each method of the comparison on its
     seeds, mean shaded +- one SD (the paper's), n in the legend."""
@@ -388,10 +396,7 @@ def plot(summary: dict, path: Path) -> None:
         ax.set_xlabel("RL update")
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=8)
-    fig.suptitle("mean over seeds, shaded +- 1 SD", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path, "mean over seeds, shaded +- 1 SD")
 
 
 def plot_rank(summary: dict, path: Path) -> None:
@@ -432,11 +437,7 @@ def plot_rank(summary: dict, path: Path) -> None:
     right.set_ylabel(f"pass@1 gain after {summary['setup']['updates']} updates")
     right.axhline(0, color="k", lw=0.5)
     right.legend(fontsize=8)
-    fig.suptitle(f"Figure 5(a): rank, seeds {', '.join(map(str, group['seeds']))}",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path, f"Figure 5(a): rank, seeds {', '.join(map(str, group['seeds']))}")
 
 
 def plot_controls(summary: dict, path: Path) -> None:
@@ -473,11 +474,8 @@ def plot_controls(summary: dict, path: Path) -> None:
     axes[2].plot(lims, lims, "k--", lw=0.8)
     for ax in axes:
         ax.legend(fontsize=7)
-    fig.suptitle(f"Figure 6: step controls, seeds {', '.join(map(str, group['seeds']))}",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path,
+          f"Figure 6: step controls, seeds {', '.join(map(str, group['seeds']))}")
 
 
 def report(runs_dir: Path, setup: dict, methods: tuple[str, ...], results: Path,

@@ -34,17 +34,11 @@ from megatron_logra.runtime import device, versions
 REPO = Path(__file__).resolve().parents[2]
 
 
-# --- 1. the default group: CPU tensors go over gloo on CUDA too ------------------------
-def test_the_default_group_has_a_cpu_backend_on_cuda(monkeypatch):
-    """On CUDA the default group is cpu:gloo,cuda:nccl: control flags built on the CPU,
-    object collectives and CPU relays of weights run (a NCCL-only group raises "No backend
-    type associated with device type cpu" at the first weight push)."""
-    assert device.collective_backend(torch.device("cuda", 3)) == "cpu:gloo,cuda:nccl"
-    assert device.collective_backend(torch.device("cpu")) == "gloo"
+def _single_process_init(monkeypatch) -> dict:
+    """``device.init_runtime`` in a world of one with torch.distributed faked: the returned
+    dict gets ``init_process_group``'s keyword arguments under "init"."""
     calls = {}
     monkeypatch.setattr(device, "_RUNTIME", None)
-    monkeypatch.setattr(device, "select_device", lambda: torch.device("cuda", 0))
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set", d))
     monkeypatch.setattr(device.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(device.dist, "init_process_group",
                         lambda **kw: calls.setdefault("init", kw))
@@ -52,6 +46,19 @@ def test_the_default_group_has_a_cpu_backend_on_cuda(monkeypatch):
     monkeypatch.setattr(device.dist, "get_world_size", lambda: 1)
     monkeypatch.setattr(device.atexit, "register", lambda fn: None)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    return calls
+
+
+# --- 1. the default group: CPU tensors go over gloo on CUDA too ------------------------
+def test_the_default_group_has_a_cpu_backend_on_cuda(monkeypatch):
+    """On CUDA the default group is cpu:gloo,cuda:nccl: control flags built on the CPU,
+    object collectives and CPU relays of weights run (a NCCL-only group raises "No backend
+    type associated with device type cpu" at the first weight push)."""
+    assert device.collective_backend(torch.device("cuda", 3)) == "cpu:gloo,cuda:nccl"
+    assert device.collective_backend(torch.device("cpu")) == "gloo"
+    calls = _single_process_init(monkeypatch)
+    monkeypatch.setattr(device, "select_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set", d))
     rt = device.init_runtime()
     assert calls["init"]["backend"] == "cpu:gloo,cuda:nccl" == rt.backend
     assert calls["set"] == torch.device("cuda", 0) and rt.is_cuda
@@ -345,15 +352,7 @@ def test_the_default_group_timeout_is_a_flag(monkeypatch):
     assert cfg.training.distributed_timeout_minutes == 90
     with pytest.raises(ValueError, match="--distributed-timeout-minutes"):
         parse_run_config(["--distributed-timeout-minutes", "0"], world_size=1)
-    calls = {}
-    monkeypatch.setattr(device, "_RUNTIME", None)
-    monkeypatch.setattr(device.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(device.dist, "init_process_group",
-                        lambda **kw: calls.setdefault("init", kw))
-    monkeypatch.setattr(device.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(device.dist, "get_world_size", lambda: 1)
-    monkeypatch.setattr(device.atexit, "register", lambda fn: None)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    calls = _single_process_init(monkeypatch)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     rt = device.init_runtime(90)
     assert calls["init"]["timeout"] == datetime.timedelta(minutes=90)
