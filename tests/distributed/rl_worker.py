@@ -1,14 +1,17 @@
-"""torchrun worker of tests/distributed/test_rl_loop.py: one RL run, checked from inside.
+"""torchrun worker of tests/distributed/test_rl_loop.py: RL runs, checked from inside,
+one after another in one launch (one process start for every layout of a world size).
 
-    torchrun --nproc-per-node N tests/distributed/rl_worker.py OUT.json [launcher flags]
+    torchrun --nproc-per-node N tests/distributed/rl_worker.py OUT.json SPEC.json
 
-After the start-up push, after two RL updates (each followed by a full push) and, with
-RL_WORKER_KILL_ENGINE=1, after the engine is killed (the next rollout restarts and
-resyncs it), the trainer's
-logprobs and the engine's on the same fixed token rows are compared. The update
-records (with predicted-KL control's kl_pred / kl_realized / alpha when the flags ask
-for it) go to the result too. Rank 0 writes:
-{"diffs": {...}, "moved": ..., "restarts": ..., "versions": [...], "records": [...]}.
+SPEC.json: ``{"layouts": {name: [launcher flags]}, "kill_engine": [names]}``. For each
+layout in order: after the start-up push, after two RL updates (each followed by a full
+push) and, for a layout in ``kill_engine``, after the engine is killed (the next rollout
+restarts and resyncs it), the trainer's logprobs and the engine's on the same fixed
+token rows are compared. The update records (with predicted-KL control's kl_pred /
+kl_realized / alpha when the flags ask for it) go to the result too. Rank 0 writes
+{name: {"diffs": {...}, "moved": ..., "restarts": ..., "versions": [...],
+"records": [...], ...}}. A layout that pins the trainer's cores
+(``--rollout-placement dedicated``) must come last: the pinning outlives its run.
 """
 
 from __future__ import annotations
@@ -18,12 +21,10 @@ import os
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-
-KILL_ENGINE = "RL_WORKER_KILL_ENGINE"  # "1": kill the engine after the updates, check the resync
 
 
 def trainer_logprobs(run, rows: torch.Tensor) -> torch.Tensor:
@@ -56,11 +57,11 @@ def batch_tokens(samples: list) -> dict:
             "batch_tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)}
 
 
-def main() -> None:
+def check_layout(argv: list[str], kill_engine: bool) -> dict:
+    """One RL run with launcher flags ``argv``, checked as the module doc says."""
     from megatron_logra.cli import parse_run_config
     from megatron_logra.rl.stage import RLStage
 
-    out_path, argv = sys.argv[1], sys.argv[2:]
     run = RLStage(parse_run_config(argv))
     rows = torch.randint(0, run.objs.arch.vocab_size, (3, 24),
                          generator=torch.Generator().manual_seed(5))
@@ -88,7 +89,7 @@ def main() -> None:
         result["records"].append({**record, **rolled, "wall_s": time.perf_counter() - t0})
     after = check("after_2_updates")
     result["moved"] = float((after - first).abs().max())
-    if os.environ.get(KILL_ENGINE) == "1":
+    if kill_engine:
         if dist.get_rank() == 0:
             run.engine.owner.kill()  # the server dies at once, as in a crash
         run.rollout_batch(2)  # the dead engine is restarted and resynced before it generates
@@ -100,7 +101,23 @@ def main() -> None:
     if dist.get_rank() == 0:
         result["engine_cores"] = sorted(os.sched_getaffinity(run.engine.pid))
     result["optimizer_steps"] = getattr(run.objs.optimizer, "steps", None)
-    close_and_write(run, result, out_path)
+    run.close()
+    return result
+
+
+def main() -> None:
+    from megatron_logra.runtime.device import init_runtime
+
+    out_path, spec = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
+    rt = init_runtime()
+    result = {}
+    for name, argv in spec["layouts"].items():
+        result[name] = check_layout(argv, kill_engine=name in spec["kill_engine"])
+        if rt.rank == 0:
+            print(f"[rl worker] {name} done: {json.dumps(result[name]['diffs'])}", flush=True)
+    if rt.rank == 0:
+        Path(out_path).write_text(json.dumps(result))
+    dist.barrier()
 
 
 def close_and_write(run, result: dict, out_path: str) -> None:

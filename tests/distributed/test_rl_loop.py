@@ -1,6 +1,7 @@
-"""The RL loop's weight sync and engine restart, in real torchrun launches with real vLLM.
+"""The RL loop's weight sync and engine restart, in a real torchrun launch with real vLLM.
 
-Each launch runs ``rl_worker.py``: start-up push, two RL updates (full push after each,
+One launch runs ``rl_worker.py`` over every layout below, one after another (each its own
+RL run, engine and output folder): start-up push, two RL updates (full push after each,
 each scaled by predicted-KL control but in the PPO layout; the advantages as the
 algorithm computed them are recorded, then replaced by +-1 so that the untrained model's
 weights move), then in the adapter-only layout (base + adapter resynced) the engine is
@@ -91,23 +92,35 @@ KILLED_ENGINE = ("pp2_lora_adapter",)
 SEQ_LENGTH_IS_MAX_POSITIONS = ("tp2_adam",)
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def launched(request, tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp(request.param)
-    out = tmp / "result.json"
-    env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1",
-               RL_WORKER_KILL_ENGINE=str(int(request.param in KILLED_ENGINE)))
-    model = []
-    if request.param in SEQ_LENGTH_IS_MAX_POSITIONS:
-        seq_length = int(BASE[BASE.index("--seq-length") + 1])
-        model = ["--model-dir", str(write_tiny_model_dir(
-            tmp / "model", max_position_embeddings=seq_length))]
+@pytest.fixture(scope="module")
+def launched_layouts(tmp_path_factory) -> dict:
+    """Every layout's result, from one torchrun launch (the dedicated-placement layout last:
+    it pins the trainer ranks' cores for the rest of the launch)."""
+    tmp = tmp_path_factory.mktemp("rl_loop")
+    order = sorted(LAYOUTS, key=lambda name: "dedicated" in LAYOUTS[name])
+    layouts = {}
+    for name in order:
+        model = []
+        if name in SEQ_LENGTH_IS_MAX_POSITIONS:
+            seq_length = int(BASE[BASE.index("--seq-length") + 1])
+            model = ["--model-dir", str(write_tiny_model_dir(
+                tmp / f"model-{name}", max_position_embeddings=seq_length))]
+        layouts[name] = [*BASE, *_flags(name), *model, "--output-dir", str(tmp / name)]
+    spec, out = tmp / "spec.json", tmp / "result.json"
+    spec.write_text(json.dumps({"layouts": layouts, "kill_engine": list(KILLED_ENGINE)}))
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(WORKER), str(out), *BASE, *_flags(request.param), *model,
-           "--output-dir", str(tmp / "run")]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+           "2", str(WORKER), str(out), str(spec)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=1800)
+    (tmp / "worker.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(params=list(LAYOUTS))
+def launched(request, launched_layouts) -> dict:
+    return launched_layouts[request.param]
 
 
 def _killed(request) -> bool:

@@ -48,15 +48,16 @@ def _run(cmd: list[str]) -> str:
     return proc.stdout
 
 
-# DP2 (sharded optimizers) and PP2 (two microbatches in flight) here; DP1, DP4, TP2 and
-# TP3 are benchmarks/memory_plan.py --measured's (results/memory_plan.md: within 0.2% and
-# 5.2%), which validates the same model against benchmarks/memory.py
-@pytest.mark.parametrize("layouts", ["DP2,PP2"])
+# DP2 (sharded optimizers) here; DP1, DP4, TP2, TP3 and PP2 (two microbatches in flight)
+# are benchmarks/memory_plan.py --measured's (results/memory_plan.md: state within 0.2%,
+# peaks within 5.2%), which validates the same model against benchmarks/memory.py, and
+# the world-8 dry run (tests/unit/test_dry_run.py) checks TP2 x PP2 x DP2's
+# model state against the plan
+@pytest.mark.parametrize("layouts", ["DP2"])
 def test_memory_plan_matches_the_measured_layouts(tmp_path, layouts):
     """benchmarks/memory_plan.py vs benchmarks/memory.py on the small shape: every method
-    (dense Adam, LoGRA in both modes, LoRA) at DP2 (sharded optimizers) and PP2 (two
-    stages, two microbatches in flight on the first): the busiest rank's model state
-    within 2% and its peak within 10% (measured here: 0.6% and 6%)."""
+    (dense Adam, LoGRA in both modes, LoRA) at DP2 (sharded optimizers): the busiest
+    rank's model state within 2% and its peak within 10% (measured: 0.6% and 6%)."""
     cmd = [sys.executable, str(REPO / "benchmarks/memory.py"), "--shape", "small",
            "--rank", "16", "--lora-rank", "8", "--seq-length", "128", "--steps", "2",
            "--layouts", layouts]
@@ -65,7 +66,7 @@ def test_memory_plan_matches_the_measured_layouts(tmp_path, layouts):
                 "--measured", str(tmp_path / "m.json")])
     report = json.loads(out.strip().splitlines()[-1])["validation"]
     checked = [k for k in report if k != "ok"]
-    assert len(checked) == 8, report
+    assert len(checked) == 4, report
     for key in checked:
         assert report[key]["state_rel_error"] <= 0.02, (key, report[key])
         assert report[key]["peak_rel_error"] <= 0.10, (key, report[key])

@@ -5,7 +5,7 @@ vLLM without its RL routes, vLLM without this package's weight-transfer backend,
 still starting), what waiting cannot fix fails at once, what it can is waited for with a
 line at once and progress lines, and the error after the wait names the URL, the reason
 and the flag that sets the wait. A real vLLM server's answers are checked usable in
-tests/integration/test_docs_server_command.py.
+tests/distributed/test_engine_urls.py (the docs' server command, before any push).
 """
 
 from __future__ import annotations
