@@ -122,7 +122,7 @@ def launch(tmp_path_factory) -> tuple[dict, str, list[str], dict]:
 
 def test_the_single_server_docs_command_serves_a_folder_without_weights(launch):
     fresh = launch[3]
-    single, = docs_server_commands(SINGLE_SERVER_SECTION)
+    single = docs_server_commands(SINGLE_SERVER_SECTION)[0]  # the section's first
     assert single.flag("--load-format") == "dummy"
     assert single.env["VLLM_SERVER_DEV_MODE"] == "1" and not single.background
     assert _server_words(single) == _server_words(fresh["servers"][1])  # server B
