@@ -1,11 +1,14 @@
-"""torchrun worker of tests/distributed/test_engine_urls.py: an RL run pointed at two vLLM
-servers the test started (``--rollout-engine-url URL_A,URL_B``), at TP2 and then at DP2 in
-the same launch, checked from inside.
+"""torchrun worker of tests/distributed/test_engine_urls.py: RL runs pointed at the vLLM
+servers the test started, one after another in one launch, checked from inside.
 
     torchrun --nproc-per-node 2 tests/distributed/engine_urls_worker.py OUT.json RUN_DIR \
-        [the docs' trainer flags]
+        SPEC.json
 
-For each layout, around each of ``UPDATES`` updates, rank 0 records each server's
+SPEC.json: ``{"single": [trainer flags], "urls": [trainer flags]}``. First "single", the
+docs' single-server trainer pointed at the second server alone (``--rollout-engine-url
+URL_B``), checked by ``server_worker.single_server_checks``. Then "urls", the docs'
+trainer pointed at both (``--rollout-engine-url URL_A,URL_B``), at TP2 and at DP2. For
+each of these two layouts, around each of ``UPDATES`` updates, rank 0 records each server's
 generated- and prompt-token counters (``/metrics``) and each sample's response and
 prompt lengths (in the order of the requests, which are split over the servers in
 order), the update's push
@@ -23,11 +26,12 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 
 from rl_worker import plus_minus_advantages
-from server_worker import generated_tokens
+from server_worker import generated_tokens, single_server_checks
 
 UPDATES = 2
 KILL_PGID = "ENGINE_URLS_KILL_PGID"
@@ -98,11 +102,14 @@ def _check_layout(argv: list[str], kill: bool) -> dict:
 def main() -> None:
     from megatron_logra.runtime.device import init_runtime
 
-    faulthandler.dump_traceback_later(600, exit=True)  # a hang prints every thread's stack
-    out_path, run_dir, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
+    faulthandler.dump_traceback_later(1200, exit=True)  # a hang prints every thread's stack
+    out_path, run_dir, spec = sys.argv[1], sys.argv[2], json.loads(Path(sys.argv[3]).read_text())
     rt = init_runtime()
-    result = {}
-    layouts = _layouts(flags)
+    result = {"single": single_server_checks([*spec["single"], "--output-dir",
+                                              f"{run_dir}/single"])}
+    if rt.rank == 0:
+        print(f"[engine urls] single: {json.dumps(result['single'])}", flush=True)
+    layouts = _layouts(spec["urls"])
     for name, layout in layouts.items():
         argv = [*layout, "--rollout-engine-url-wait-s", WAIT_S,
                 "--output-dir", f"{run_dir}/{name}"]

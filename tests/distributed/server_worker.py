@@ -1,26 +1,25 @@
-"""torchrun worker of tests/distributed/test_vllm_server_engine.py: an RL run whose engine
-is a vLLM server started by the test (``--rollout-engine-url``), checked from inside.
-
-    torchrun --nproc-per-node 2 tests/distributed/server_worker.py OUT.json [launcher flags]
+"""One server's checks, run inside a torchrun worker (``engine_urls_worker.py``, for
+tests/distributed/test_engine_urls.py): an RL run whose engine is a vLLM server the test
+started (``--rollout-engine-url URL``), checked from inside (``single_server_checks``).
 
 After the start-up push (full), after each of two RL updates (sketch-delta pushes),
 after a push whose delta base the server no longer serves (its version set behind the
-trainer's back: the push goes full) and after a forced full push, rank 0 records: the server's version, the HF tensors whose vLLM
-checksums differ from the trainer's (``engine_mismatches``), the largest difference
-between the trainer's and the server's logprobs on fixed token rows, the bytes and
-transport of the push; around each update's rollouts, the server's generated-token
-counter (``/metrics``) against the tokens the trainer received.
+trainer's back: the push goes full) and after a forced full push, rank 0 records: the
+server's version, the HF tensors whose vLLM checksums differ from the trainer's
+(``engine_mismatches``), the largest difference between the trainer's and the server's
+logprobs on fixed token rows, the bytes and transport of the push; around each update's
+rollouts, the server's generated-token counter (``/metrics``) against the tokens the
+trainer received.
 """
 
 from __future__ import annotations
 
 import re
-import sys
 
 import torch
 import torch.distributed as dist
 
-from rl_worker import close_and_write, engine_logprobs, plus_minus_advantages, trainer_logprobs
+from rl_worker import engine_logprobs, plus_minus_advantages, trainer_logprobs
 
 
 def generated_tokens(url: str, counter: str = "generation_tokens") -> float:
@@ -33,11 +32,12 @@ def generated_tokens(url: str, counter: str = "generation_tokens") -> float:
                                             text, re.M))
 
 
-def main() -> None:
+def single_server_checks(argv: list[str]) -> dict:
+    """The RL run of launcher flags ``argv`` (one ``--rollout-engine-url``), checked as the
+    module doc says; rank 0's result: {"checks": [...], "rollouts": [...], "moved": ...}."""
     from megatron_logra.cli import parse_run_config
     from megatron_logra.rl.stage import RLStage
 
-    out_path, argv = sys.argv[1], sys.argv[2:]
     cfg = parse_run_config(argv)
     url = cfg.rl.rollout.engine_url
     run = RLStage(cfg)
@@ -81,8 +81,5 @@ def main() -> None:
         run.push_weights()
     check("forced full")
     result["moved"] = float((trainer_logprobs(run, rows) - first).abs().max())
-    close_and_write(run, result, out_path)
-
-
-if __name__ == "__main__":
-    main()
+    run.close()
+    return result

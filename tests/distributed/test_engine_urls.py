@@ -29,6 +29,18 @@ the tokens asked for, and the trainer's own probe (``rollout.server_probe``, wha
 ``--rollout-engine-url`` waits with) finds it a usable vLLM with the RL routes and this
 package's weight-transfer backend. (The token counters checked below are read before
 each update, so this completion is not counted.)
+
+Then, first in the launch, the trainer command printed under it (its flags as printed,
+with ``MOVE_FURTHER`` added) is pointed at server B alone (``server_worker.py``): the
+start-up push (full), two RL updates pushed as sketch deltas (D and a seed per sketched
+weight, through vLLM's ``/update_weights`` into the ``mlogra`` backend on each server
+worker), a push whose delta base the server no longer serves (its version changed behind
+the trainer's back: the push goes full), and a forced full push. After every push the
+server's weights equal the trainer's bit for bit by vLLM's own checksums, its logprobs
+agree with the trainer's (bf16 on both sides: 2e-2, against movements of ~0.2 that a
+stale server would show), the server reports the trainer's version, and its
+generated-token counter grew by exactly the tokens of the rollouts the trainer received.
+The two-server runs above come after it, their start-up pushes full.
 """
 
 from __future__ import annotations
@@ -38,6 +50,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from dataclasses import dataclass
 
 import pytest
 import requests
@@ -56,11 +70,26 @@ WORKER = REPO / "tests" / "distributed" / "engine_urls_worker.py"
 
 SECTION = "Several servers"
 SINGLE_SERVER_SECTION = "A vLLM server as the rollout engine"
+# added to the single-server trainer's flags: its updates move the weights far enough
+# that a stale server's logprobs would differ by well over LOGPROB_TOLERANCE (at the
+# default ratio, 6e-5, the move is below bf16's resolution)
+MOVE_FURTHER = ["--logra-update-ratio", "2e-2"]
+LOGPROB_TOLERANCE = 2e-2  # bf16 trainer vs bf16 server, measured ~5e-3
 
 
 def _server_words(command: DocCommand) -> tuple[dict, list[str]]:
     """A server command's environment and argv with its port taken out."""
     return command.env, command.run_argv(**{"--port": "PORT"})
+
+
+def _trainer_flags(command: DocCommand, model: Path, urls: str) -> list[str]:
+    """A docs trainer command's launcher flags as printed, with ``MODEL_DIR`` and the
+    test's server URLs put in and ``--output-dir`` left out (the worker gives each run
+    its own)."""
+    argv = command.run_argv(MODEL_DIR=str(model), **{"--rollout-engine-url": urls})
+    flags = argv[argv.index("launch/pretrain_rl.py") + 1:]
+    k = flags.index("--output-dir")
+    return [*flags[:k], *flags[k + 2:]]
 
 
 def _serve_without_weights(url: str) -> dict:
@@ -75,8 +104,16 @@ def _serve_without_weights(url: str) -> dict:
             "token_ids": out["choices"][0]["token_ids"]}
 
 
+@dataclass(frozen=True)
+class Launched:
+    result: dict  # the worker's: {"single": ..., "tp2": ..., "dp2": ...}
+    stdout: str  # the trainer's
+    urls: list[str]  # servers A and B
+    fresh: dict  # server B before any push, and what the fixture read from the docs
+
+
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory) -> tuple[dict, str, list[str], dict]:
+def launch(tmp_path_factory) -> Launched:
     tmp = tmp_path_factory.mktemp("urls")
     model = write_tiny_model_dir(tmp / "model")
     commands = doc_commands(USAGE_MD.read_text(), SECTION)
@@ -98,22 +135,27 @@ def launch(tmp_path_factory) -> tuple[dict, str, list[str], dict]:
                                  if f.endswith((".safetensors", ".bin"))]
         docs_urls = ",".join(f"http://127.0.0.1:{c.flag('--port')}" for c in servers)
         assert trainer.flag("--rollout-engine-url") == docs_urls
-        argv = trainer.run_argv(MODEL_DIR=str(model),
-                                **{"--rollout-engine-url": ",".join(urls)})
-        flags = argv[argv.index("launch/pretrain_rl.py") + 1:]
-        k = flags.index("--output-dir")
-        flags = [*flags[:k], *flags[k + 2:]]  # the worker's, one per layout
+        single_trainer = next(c for c in doc_commands(USAGE_MD.read_text(),
+                                                      SINGLE_SERVER_SECTION)
+                              if "launch/pretrain_rl.py" in c.argv)
+        spec = {"urls": _trainer_flags(trainer, model, ",".join(urls)),
+                "single": [*_trainer_flags(single_trainer, model, urls[1]),
+                           *MOVE_FURTHER]}
+        fresh["single_rank"] = int(single_trainer.flag("--logra-rank"))
+        fresh["width"] = json.loads((model / "config.json").read_text())["hidden_size"]
+        (tmp / "spec.json").write_text(json.dumps(spec))
         out = tmp / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", str(WORKER), str(out), str(tmp / "run"), *flags]
+               "--nproc-per-node", "2", str(WORKER), str(out), str(tmp / "run"),
+               str(tmp / "spec.json")]
         env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1",
                    ENGINE_URLS_KILL_PGID=str(procs[1].pid))
         proc = subprocess.run(cmd, cwd=WORKER.parent, env=env, capture_output=True,
-                              text=True, timeout=900)
+                              text=True, timeout=1500)
         (tmp / "trainer.out").write_text(proc.stdout + proc.stderr)
         logs = "".join((tmp / f"server-{k}.log").read_text()[-2000:] for k in range(2))
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:] + logs
-        return json.loads(out.read_text()), proc.stdout, urls, fresh
+        return Launched(json.loads(out.read_text()), proc.stdout, urls, fresh)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -121,7 +163,7 @@ def launch(tmp_path_factory) -> tuple[dict, str, list[str], dict]:
 
 
 def test_the_single_server_docs_command_serves_a_folder_without_weights(launch):
-    fresh = launch[3]
+    fresh = launch.fresh
     single = docs_server_commands(SINGLE_SERVER_SECTION)[0]  # the section's first
     assert single.flag("--load-format") == "dummy"
     assert single.env["VLLM_SERVER_DEV_MODE"] == "1" and not single.background
@@ -134,9 +176,9 @@ def test_the_single_server_docs_command_serves_a_folder_without_weights(launch):
 
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
 def test_the_prompts_are_split_over_both_servers_in_order(launch, layout):
-    result, _, urls, _ = launch
-    assert result[layout]["urls"] == urls
-    for update in result[layout]["updates"]:
+    result = launch.result[layout]
+    assert result["urls"] == launch.urls
+    for update in result["updates"]:
         tokens, prompts = update["sample_tokens"], update["prompt_tokens"]
         half = (len(tokens) + 1) // 2  # split_evenly: the first part one longer when odd
         assert update["server_tokens"] == [sum(tokens[:half]), sum(tokens[half:])], update
@@ -149,7 +191,7 @@ def test_the_prompts_are_split_over_both_servers_in_order(launch, layout):
 
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
 def test_sketch_deltas_leave_both_servers_equal_to_the_trainer(launch, layout):
-    result = launch[0][layout]
+    result = launch.result[layout]
     assert result["server_tp"] == [1, 2]  # each server's own size, read from it
     assert result["start_mismatches"] == [0, 0]
     assert len(result["updates"]) == 2
@@ -160,8 +202,8 @@ def test_sketch_deltas_leave_both_servers_equal_to_the_trainer(launch, layout):
 
 
 def test_a_killed_server_is_named_by_its_url_and_the_run_stops(launch):
-    result, stdout, (url_a, url_b), _ = launch
-    dp2 = result["dp2"]
+    stdout, (url_a, url_b) = launch.stdout, launch.urls
+    dp2 = launch.result["dp2"]
     assert f"engine 1 ({url_b})" in dp2["after_kill"]
     assert "failed 3 times" in dp2["after_kill"]
     assert url_a not in dp2["after_kill"]
@@ -171,3 +213,44 @@ def test_a_killed_server_is_named_by_its_url_and_the_run_stops(launch):
     failures = [line for line in stdout.splitlines()
                 if "failed" in line and not line.startswith("[engine urls]")]
     assert failures and all(url_a not in line for line in failures)
+
+
+# --- the single-server trainer (docs/usage.md's first trainer command) into server B ---
+
+def test_the_server_holds_the_trainers_weights_bit_for_bit_after_every_push(launch):
+    result = launch.result["single"]
+    labels = [c["label"] for c in result["checks"]]
+    assert labels == ["start", "update 1", "update 2", "version changed", "forced full"]
+    for check in result["checks"]:
+        assert check["mismatches"] == 0, check  # vLLM's checksums = the trainer's
+        assert check["server_version"] == check["version"], check
+        assert check["logprob_diff"] < LOGPROB_TOLERANCE, check
+    assert result["moved"] > 10 * LOGPROB_TOLERANCE  # a stale server would fail the above
+
+
+def test_updates_travel_as_sketch_deltas_at_a_fraction_of_a_full_push(launch):
+    by_label = {c["label"]: c for c in launch.result["single"]["checks"]}
+    assert by_label["start"]["transport"] == "full"
+    full = by_label["forced full"]["bytes"]
+    assert by_label["forced full"]["transport"] == "full" and full > 0
+    rank, width = launch.fresh["single_rank"], launch.fresh["width"]
+    assert rank < width / 4, (rank, width)  # else the bound below says little
+    for label in ("update 1", "update 2"):
+        assert by_label[label]["transport"] == "sketch-delta"
+        # D (out x r) per sketched weight in place of W (out x in): about r / in of a full
+        # push, plus the embedding's rows and the message headers
+        assert by_label[label]["bytes"] < 1.2 * rank / width * full
+
+
+def test_a_delta_on_a_base_the_server_does_not_serve_goes_full(launch):
+    """The server's version was set behind the trainer's back: the delta is not sent, a
+    full push goes instead, and the server is exact again."""
+    checks = launch.result["single"]["checks"]
+    changed = next(c for c in checks if c["label"] == "version changed")
+    assert changed["transport"] == "full"
+    assert changed["mismatches"] == 0
+
+
+def test_the_single_servers_rollouts_came_from_it(launch):
+    for rollout in launch.result["single"]["rollouts"]:
+        assert rollout["server_tokens"] == rollout["sample_tokens"] > 0
