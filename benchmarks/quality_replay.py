@@ -55,7 +55,20 @@ def compare(recorded: Path, replayed: Path, updates: int) -> dict:
                            "replayed": [b for _, _, b in pairs], "max_rel_diff": worst}
     compared = [v for v in values.values() if v["max_rel_diff"] is not None]
     same = bool(compared) and all(v["max_rel_diff"] <= SAME for v in compared)
-    return {"values": values, "same": same}
+    differing = [s for v in compared for s, a, b in zip(v["steps"], v["recorded"], v["replayed"])
+                 if abs(b - a) / max(abs(a), 1e-12) > SAME]
+    return {"values": values, "same": same, "first_differing_step": min(differing, default=None)}
+
+
+def _differs(report: dict) -> str:
+    """The verdict of a replay that did not reproduce: from which update, and the two
+    explanations it cannot tell apart."""
+    first = report.get("first_differing_step")
+    load = report["provenance"].get("load_avg")
+    where = f" from update {first} on (the updates before it: the same)" if first else ""
+    return (f"**not the same numbers**{where}. This replay does not show that the recorded "
+            f"runs are this commit's: either this commit computes differently, or the "
+            f"rollouts did not reproduce (load average at the replay's start: {load}).")
 
 
 def markdown(report: dict) -> str:
@@ -64,7 +77,7 @@ def markdown(report: dict) -> str:
             f"recorded at {report['recorded_commit'][:10]}, replayed at "
             f"{report['provenance']['commit'][:10]}: "
             + ("the same numbers (every value within a relative 1e-6)." if report["same"] else
-               "**not the same numbers**: the recorded runs are not this commit's."))
+               _differs(report)))
     lines = [head, "", "| value | steps compared | largest relative difference |",
              "|---|---|---|"]
     for key, v in report["values"].items():

@@ -49,9 +49,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import requests

@@ -101,3 +101,10 @@ def test_the_replay_check_finds_a_changed_update(tmp_path):
     assert changed["values"]["reward_mean"]["steps"] == [1, 2, 3, 4]
     assert changed["values"]["reward_mean"]["max_rel_diff"] == pytest.approx(0.01 / 0.26)
     assert changed["values"]["loss"]["max_rel_diff"] is None  # not logged: not compared
+    assert changed["first_differing_step"] == 1
+    assert quality_replay.compare(recorded, same, updates=4)["first_differing_step"] is None
+    report = {"method": "logra", "seed": 1, "updates": 4, "recorded_commit": "a" * 40,
+              "provenance": {"commit": "b" * 40, "load_avg": [3.1, 2.0, 1.5]}, **changed}
+    verdict = quality_replay.markdown(report).splitlines()[0]
+    assert "**not the same numbers** from update 1 on" in verdict
+    assert "load average at the replay's start: [3.1, 2.0, 1.5]" in verdict
