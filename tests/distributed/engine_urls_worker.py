@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from rl_worker import plus_minus_advantages
+from rl_worker import plus_minus_advantages, write_result
 from server_worker import generated_tokens, single_server_checks
 
 UPDATES = 2
@@ -116,10 +116,7 @@ def main() -> None:
         result[name] = _check_layout(argv, kill=name == list(layouts)[-1])
         if rt.rank == 0:
             print(f"[engine urls] {name}: {json.dumps(result[name])}", flush=True)
-    if rt.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
+    write_result(result, out_path)
 
 
 if __name__ == "__main__":

@@ -115,18 +115,21 @@ def main() -> None:
         result[name] = check_layout(argv, kill_engine=name in spec["kill_engine"])
         if rt.rank == 0:
             print(f"[rl worker] {name} done: {json.dumps(result[name]['diffs'])}", flush=True)
-    if rt.rank == 0:
+    write_result(result, out_path)
+
+
+def write_result(result: dict, out_path: str) -> None:
+    """Rank 0 writes ``result`` to ``out_path`` as JSON, then every rank waits (a worker's
+    last step: the test reads the file once torchrun has returned)."""
+    if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(result))
     dist.barrier()
 
 
 def close_and_write(run, result: dict, out_path: str) -> None:
-    """Close the run, rank 0 writes ``result`` to ``out_path``, then every rank waits."""
+    """Close the run, then ``write_result``."""
     run.close()
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
+    write_result(result, out_path)
 
 
 if __name__ == "__main__":

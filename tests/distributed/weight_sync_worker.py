@@ -17,7 +17,6 @@ killed once on the way; PP2 goes into the server the test started
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import sys
 
@@ -117,6 +116,7 @@ def _check_layout(argv: list[str], kill_engine: bool = False) -> dict:
 
 def main() -> None:
     from megatron_logra.runtime.device import init_runtime
+    from rl_worker import write_result
 
     faulthandler.dump_traceback_later(900, exit=True)  # a hang prints every thread's stack
 
@@ -133,10 +133,7 @@ def main() -> None:
         result[name]["remote_engine"] = bool(remote)
         if rt.rank == 0:
             print(f"[weight sync] {name}: {result[name]}", flush=True)
-    if rt.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
+    write_result(result, out_path)
 
 
 if __name__ == "__main__":
