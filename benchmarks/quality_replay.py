@@ -40,6 +40,10 @@ def _rows(run_dir: Path, key: str) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if key in r}
 
 
+def _rel_diff(recorded: float, replayed: float) -> float:
+    return abs(replayed - recorded) / max(abs(recorded), 1e-12)
+
+
 def compare(recorded: Path, replayed: Path, updates: int) -> dict:
     """Per value, the largest relative difference between the two runs over the replayed
     updates (and evaluations), with the pairs behind it."""
@@ -50,13 +54,13 @@ def compare(recorded: Path, replayed: Path, updates: int) -> dict:
         for key in keys:
             pairs = [(s, old[s][key], new[s][key]) for s in steps
                      if old[s].get(key) is not None and new[s].get(key) is not None]
-            worst = max((abs(b - a) / max(abs(a), 1e-12) for _, a, b in pairs), default=None)
+            worst = max((_rel_diff(a, b) for _, a, b in pairs), default=None)
             values[key] = {"steps": [s for s, _, _ in pairs], "recorded": [a for _, a, _ in pairs],
                            "replayed": [b for _, _, b in pairs], "max_rel_diff": worst}
     compared = [v for v in values.values() if v["max_rel_diff"] is not None]
     same = bool(compared) and all(v["max_rel_diff"] <= SAME for v in compared)
     differing = [s for v in compared for s, a, b in zip(v["steps"], v["recorded"], v["replayed"])
-                 if abs(b - a) / max(abs(a), 1e-12) > SAME]
+                 if _rel_diff(a, b) > SAME]
     return {"values": values, "same": same, "first_differing_step": min(differing, default=None)}
 
 
